@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds, here, everything the GPU machine runs, and collects it in
+# gpu-bundle/ (git-ignored), to be carried there and run by gpu-run.sh:
+#
+#   scripts/gpu-build.sh
+#   device run, carry ["gpu-bundle"], command: bash gpu-bundle/gpu-run.sh
+#
+# The GPU machine has no Rust toolchain; binaries load libcuda at run time,
+# so nothing here needs CUDA installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bundle=gpu-bundle
+rm -rf "$bundle"
+mkdir -p "$bundle/tests" "$bundle/bin"
+
+# Test binaries, with the GPU cases switched on.
+cargo test --workspace --release --features vmm/gpu-tests --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+    cp "$exe" "$bundle/tests/$name"
+done
+
+# Examples.
+cargo build --workspace --release --examples
+for src in examples/*.rs; do
+    name=$(basename "$src" .rs)
+    cp "target/release/examples/$name" "$bundle/bin/$name"
+done
+
+cp scripts/gpu-run.sh "$bundle/"
+{
+    echo "commit $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+    echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) with $(rustc --version)"
+} >"$bundle/BUILD"
+ls -l "$bundle/tests" "$bundle/bin"
+du -sh "$bundle"

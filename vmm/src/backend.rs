@@ -1,0 +1,105 @@
+//! The one trait the allocator programs against.
+//!
+//! A backend is a driver for one or more devices. Memory is named by plain
+//! values (addresses and chunk handles) that the backend validates on every
+//! call, so a wrong call is an error and never undefined behaviour on the
+//! host. The RAII owners in [`crate::memory`] are how the allocator uses
+//! this trait; the raw methods are public so that the conformance suite can
+//! exercise every error path.
+//!
+//! Streams and events are owned values: dropping a stream lets its queued
+//! work finish and then frees it (as `cuStreamDestroy` does), dropping an
+//! event frees it.
+//!
+//! Adding a backend means one new folder beside `cuda/` and `host/` that
+//! implements this trait; nothing else changes.
+
+use std::time::Duration;
+
+use crate::{AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo, Result};
+
+pub trait Backend: Send + Sync + 'static {
+    /// An ordered queue of device work.
+    type Stream: Send + Sync;
+    /// A point in a stream that other streams and the host can wait for.
+    type Event: Send + Sync;
+
+    /// `"cuda"` or `"host"`: shown to users, so they know what they measured.
+    fn name(&self) -> &'static str;
+
+    // ---- devices ---------------------------------------------------------
+
+    fn device_count(&self) -> Result<u32>;
+    /// The size and alignment unit of chunks and mappings (2 MiB on H200).
+    fn granularity(&self, device: DeviceId) -> Result<usize>;
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
+
+    // ---- virtual address space -------------------------------------------
+
+    /// Reserves `size` bytes of address space (a multiple of the
+    /// granularity) aligned to `alignment` (0: the granularity).
+    fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr>;
+    /// Frees a whole reservation, which must no longer have anything mapped.
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()>;
+
+    // ---- physical memory -------------------------------------------------
+
+    /// Creates a physical chunk of `size` bytes (a multiple of the
+    /// granularity) on `device`.
+    fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle>;
+    /// Releases the handle. Memory still mapped stays valid until unmapped,
+    /// as with `cuMemRelease`.
+    fn release_chunk(&self, chunk: ChunkHandle) -> Result<()>;
+
+    // ---- mappings --------------------------------------------------------
+
+    /// Maps the whole of `chunk` at `va`, a multiple of the granularity. The
+    /// range must lie inside one reservation and not be mapped already. The
+    /// new mapping has no access until [`Backend::set_access`].
+    ///
+    /// Whole chunks only: `cuMemMap` takes an offset and a size, but the
+    /// driver (CUDA 13.0 on H200 included) answers `CUDA_ERROR_NOT_SUPPORTED`
+    /// to anything but offset 0 and the chunk's full size, so a chunk is the
+    /// unit in which physical memory moves.
+    fn map(&self, va: DevicePtr, chunk: ChunkHandle) -> Result<()>;
+    /// Unmaps a range made of whole mappings. Not stream-ordered: the caller
+    /// guarantees no queued work still touches it.
+    fn unmap(&self, va: DevicePtr, size: usize) -> Result<()>;
+    /// Sets what each listed device may do with a mapped range.
+    fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()>;
+
+    // ---- streams and events ----------------------------------------------
+
+    fn create_stream(&self, device: DeviceId) -> Result<Self::Stream>;
+    /// Blocks until all work queued on `stream` so far has finished; reports
+    /// a failure of that work.
+    fn synchronize_stream(&self, stream: &Self::Stream) -> Result<()>;
+    fn create_event(&self, device: DeviceId) -> Result<Self::Event>;
+    /// Captures the work queued on `stream` so far into `event`, replacing
+    /// what it captured before.
+    fn record_event(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// `Complete` once the last recorded work has finished (also for an
+    /// event never recorded), `Pending` before, `Err` if that work failed.
+    fn query_event(&self, event: &Self::Event) -> Result<EventStatus>;
+    /// Blocks until the last recorded work has finished.
+    fn synchronize_event(&self, event: &Self::Event) -> Result<()>;
+    /// Work queued on `stream` after this call waits for the work `event`
+    /// captured at the time of this call.
+    fn stream_wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+
+    // ---- asynchronous work for tests and examples --------------------------
+
+    /// Queues a write of `count` copies of `value` (4 bytes each) at `dst`.
+    fn fill_u32(
+        &self,
+        stream: &Self::Stream,
+        dst: DevicePtr,
+        count: usize,
+        value: u32,
+    ) -> Result<()>;
+    /// Copies `dst.len()` bytes from `src` after the work queued on `stream`,
+    /// and returns once they are in `dst`.
+    fn copy_to_host(&self, stream: &Self::Stream, src: DevicePtr, dst: &mut [u8]) -> Result<()>;
+    /// Queues work that keeps `stream` busy for `duration`.
+    fn delay(&self, stream: &Self::Stream, duration: Duration) -> Result<()>;
+}

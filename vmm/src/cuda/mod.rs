@@ -1,0 +1,609 @@
+//! The CUDA backend: the driver API's virtual-memory calls, streams and
+//! events.
+//!
+//! ```text
+//!   Cuda (this file)        the Backend: checks every call against its own
+//!      │                    tables, binds contexts, owns streams and events
+//!   context.rs              a device's primary context and its delay kernel
+//!   result.rs               one checked function per driver call:
+//!      │                    CUresult -> crate::Result, `# Safety` on each
+//!   cudarc::driver::sys     raw bindings, resolved from libcuda by dlopen
+//! ```
+//!
+//! **Dynamic loading.** Nothing links against libcuda: cudarc resolves each
+//! entry point the first time it is called. vmm therefore builds, and its
+//! host backend runs, on machines with no driver at all (CI, laptops), and
+//! [`Cuda::new`] says [`ErrorKind::DriverUnavailable`] there instead of the
+//! process failing to start. It checks that the library can be loaded before
+//! the first driver call, because cudarc panics when it cannot.
+//!
+//! **Contexts.** [`Cuda::new`] retains every device's primary context (the
+//! one the runtime API and most libraries share) and keeps it until the
+//! backend and all of its streams and events are gone. Driver calls that need
+//! a current context first bind the device's primary context to the calling
+//! thread with `cuCtxSetCurrent`; a thread-local remembers which context vmm
+//! bound last, so the call is skipped when it is already current. Calls that
+//! name no device (address ranges, unmap, set-access) bind device 0's; stream
+//! and event calls bind the context their stream or event was made in. The
+//! cache assumes nothing else changes the current context of a thread between
+//! vmm calls; code that does should call vmm from threads of its own.
+//!
+//! **Validation.** As in the host backend, every address range, chunk handle
+//! and mapping is checked against the backend's own tables before the driver
+//! sees it: a wrong call is [`ErrorKind::InvalidArgument`], and the driver is
+//! never asked to unmap, free or write memory that is not vmm's (under
+//! unified addressing a stray device address can name host memory).
+//! Validation and the driver call happen under one lock, so two threads
+//! cannot race a check against a release.
+
+mod context;
+mod result;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cudarc::driver::sys;
+
+use self::context::DeviceContext;
+use crate::error::report_drop_error;
+use crate::{
+    Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
+    MemInfo, Result,
+};
+
+/// The CUDA driver as a [`Backend`].
+#[derive(Debug)]
+pub struct Cuda {
+    /// Indexed by device ordinal; never empty.
+    devices: Vec<Arc<DeviceContext>>,
+    tables: Mutex<Tables>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ChunkEntry {
+    device: DeviceId,
+    size: usize,
+}
+
+/// What vmm created and has not freed yet.
+#[derive(Debug, Default)]
+struct Tables {
+    /// Reservation base -> size.
+    reservations: BTreeMap<u64, usize>,
+    /// Mapping start -> size; mappings never overlap.
+    mappings: BTreeMap<u64, usize>,
+    /// Live (not yet released) chunk handles.
+    chunks: HashMap<u64, ChunkEntry>,
+}
+
+impl Tables {
+    /// Whether one reservation holds all of `[start, end)`.
+    fn in_one_reservation(&self, start: u64, end: u64) -> bool {
+        self.reservations
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(&base, &size)| end <= base + size as u64)
+    }
+
+    fn overlaps_mapping(&self, start: u64, end: u64) -> bool {
+        self.mappings
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&va, &size)| va + size as u64 > start)
+    }
+
+    /// The contiguous mappings, as `(start, end)`, that together cover
+    /// `[start, end)`, first to last; `None` when a byte of it is unmapped.
+    fn covering(&self, start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+        let (&first, _) = self.mappings.range(..=start).next_back()?;
+        let mut run = Vec::new();
+        let mut at = first;
+        for (&va, &size) in self.mappings.range(first..) {
+            if va != at || at >= end {
+                break;
+            }
+            at = va + size as u64;
+            run.push((va, at));
+        }
+        (at >= end).then_some(run)
+    }
+
+    /// Whether `[start, end)` is exactly a run of whole mappings.
+    fn is_whole_mappings(&self, start: u64, end: u64) -> bool {
+        self.covering(start, end).is_some_and(|run| {
+            run.first().is_some_and(|&(va, _)| va == start)
+                && run.last().is_some_and(|&(_, last)| last == end)
+        })
+    }
+}
+
+/// `[va, va + size)` as numbers, for a non-empty range that does not wrap.
+fn span(call: &'static str, va: DevicePtr, size: usize) -> Result<(u64, u64)> {
+    if size == 0 {
+        return Err(Error::invalid(call, "size is zero"));
+    }
+    va.0.checked_add(size as u64)
+        .map(|end| (va.0, end))
+        .ok_or_else(|| Error::invalid(call, format!("{size} bytes at {va} wrap around")))
+}
+
+/// Checks that the value called `name` is a multiple of `granularity`.
+fn check_granular(call: &'static str, granularity: usize, name: &str, value: u64) -> Result<()> {
+    if value % granularity as u64 == 0 {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        call,
+        format!("{name} {value:#x} is not a multiple of the granularity {granularity:#x}"),
+    ))
+}
+
+/// Checks that `size` is a non-zero multiple of `granularity`.
+fn check_size(call: &'static str, granularity: usize, size: usize) -> Result<()> {
+    if size == 0 {
+        return Err(Error::invalid(call, "size is zero"));
+    }
+    check_granular(call, granularity, "size", size as u64)
+}
+
+impl Cuda {
+    /// Loads and initialises the driver and retains every device's primary
+    /// context. Fails with [`ErrorKind::DriverUnavailable`] when there is no
+    /// driver library, it cannot be initialised, or it sees no device.
+    pub fn new() -> Result<Arc<Self>> {
+        // SAFETY: only dlopens (and closes again) the driver library under
+        // its usual names; its initialisers expect to be run that way.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::rejected(
+                "Cuda::new",
+                ErrorKind::DriverUnavailable,
+                "the CUDA driver library (libcuda) could not be loaded",
+            ));
+        }
+        result::init().map_err(driver_unavailable)?;
+        let count = result::device_get_count().map_err(driver_unavailable)?;
+        if count <= 0 {
+            return Err(Error::rejected(
+                "Cuda::new",
+                ErrorKind::DriverUnavailable,
+                "the driver sees no CUDA device",
+            ));
+        }
+        let devices = (0..count)
+            .map(|ordinal| DeviceContext::open(ordinal).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(
+            devices = devices.len(),
+            granularity = devices[0].granularity(),
+            "CUDA backend ready"
+        );
+        Ok(Arc::new(Self {
+            devices,
+            tables: Mutex::default(),
+        }))
+    }
+
+    fn device(&self, call: &'static str, device: DeviceId) -> Result<&Arc<DeviceContext>> {
+        self.devices.get(device.0 as usize).ok_or_else(|| {
+            Error::rejected(
+                call,
+                ErrorKind::InvalidDevice,
+                format!("{device} does not exist ({} present)", self.devices.len()),
+            )
+        })
+    }
+
+    /// Device 0: its granularity is the one of address ranges, and its
+    /// context is bound for calls that name no device.
+    fn first(&self) -> &DeviceContext {
+        &self.devices[0]
+    }
+
+    fn tables(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Locks the tables after checking that `[va, va + size)` is all mapped,
+    /// so that it stays so while the guard is held.
+    fn mapped(
+        &self,
+        call: &'static str,
+        va: DevicePtr,
+        size: usize,
+    ) -> Result<MutexGuard<'_, Tables>> {
+        let (start, end) = span(call, va, size)?;
+        let tables = self.tables();
+        if tables.covering(start, end).is_none() {
+            return Err(Error::invalid(
+                call,
+                format!("{size} bytes at {va} are not all mapped"),
+            ));
+        }
+        Ok(tables)
+    }
+}
+
+/// The same error, as "no usable driver": what any failure of `cuInit` or
+/// device enumeration means to a caller of [`Cuda::new`].
+fn driver_unavailable(mut err: Error) -> Error {
+    let (Error::Cuda { kind, .. } | Error::Rejected { kind, .. }) = &mut err;
+    *kind = ErrorKind::DriverUnavailable;
+    err
+}
+
+/// Everything still in the tables was leaked by an owner: the driver keeps
+/// it until the process exits. Say so.
+impl Drop for Cuda {
+    fn drop(&mut self) {
+        let tables = self
+            .tables
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (reservations, mappings, chunks) = (
+            tables.reservations.len(),
+            tables.mappings.len(),
+            tables.chunks.len(),
+        );
+        if reservations + mappings + chunks != 0 {
+            tracing::warn!(
+                reservations,
+                mappings,
+                chunks,
+                "CUDA backend dropped with memory still allocated"
+            );
+        }
+    }
+}
+
+/// A CUDA stream (created non-blocking, so it never waits for the legacy
+/// default stream) and the context it lives in.
+#[derive(Debug)]
+pub struct CudaStream {
+    stream: sys::CUstream,
+    context: Arc<DeviceContext>,
+}
+
+// SAFETY: a CUstream is a driver handle that the driver API lets any thread
+// use; `context` is Send.
+unsafe impl Send for CudaStream {}
+// SAFETY: as for `Send`; nothing is mutated through `&CudaStream` on the Rust
+// side, and the driver synchronises concurrent calls on one stream.
+unsafe impl Sync for CudaStream {}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        let destroyed = self.context.bind().and_then(|()| {
+            // SAFETY: the stream was created in `create_stream`, is destroyed
+            // only here, and `self` is going away, so it is never used again.
+            unsafe { result::stream_destroy(self.stream) }
+        });
+        if let Err(err) = destroyed {
+            report_drop_error("destroying a stream", &err);
+        }
+    }
+}
+
+/// A CUDA event (timing disabled: vmm only orders and waits) and the context
+/// it lives in.
+#[derive(Debug)]
+pub struct CudaEvent {
+    event: sys::CUevent,
+    context: Arc<DeviceContext>,
+}
+
+// SAFETY: a CUevent is a driver handle that the driver API lets any thread
+// use; `context` is Send.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as for `Send`; nothing is mutated through `&CudaEvent` on the Rust
+// side, and the driver synchronises concurrent calls on one event.
+unsafe impl Sync for CudaEvent {}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        let destroyed = self.context.bind().and_then(|()| {
+            // SAFETY: the event was created in `create_event`, is destroyed
+            // only here, and `self` is going away, so it is never used again.
+            unsafe { result::event_destroy(self.event) }
+        });
+        if let Err(err) = destroyed {
+            report_drop_error("destroying an event", &err);
+        }
+    }
+}
+
+impl Backend for Cuda {
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(self.devices.len() as u32)
+    }
+
+    fn granularity(&self, device: DeviceId) -> Result<usize> {
+        Ok(self.device("granularity", device)?.granularity())
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        let context = self.device("mem_info", device)?;
+        context.bind()?;
+        let (free, total) = result::mem_get_info()?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr> {
+        let first = self.first();
+        check_size("reserve", first.granularity(), size)?;
+        if alignment != 0 && !alignment.is_power_of_two() {
+            return Err(Error::invalid(
+                "reserve",
+                format!("alignment {alignment:#x} is not a power of two"),
+            ));
+        }
+        first.bind()?;
+        let base = result::mem_address_reserve(size, alignment.max(first.granularity()))?;
+        self.tables().reservations.insert(base, size);
+        Ok(DevicePtr(base))
+    }
+
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
+        let (start, end) = span("free_reservation", base, size)?;
+        let mut tables = self.tables();
+        if tables.reservations.get(&start) != Some(&size) {
+            return Err(Error::invalid(
+                "free_reservation",
+                format!("no reservation of {size} bytes at {base}"),
+            ));
+        }
+        if tables.overlaps_mapping(start, end) {
+            return Err(Error::invalid(
+                "free_reservation",
+                format!("the reservation at {base} still has mappings"),
+            ));
+        }
+        self.first().bind()?;
+        // SAFETY: the tables hold exactly this reservation, made by
+        // `reserve`, with nothing mapped in it; the lock keeps it so until
+        // it is removed below.
+        unsafe { result::mem_address_free(start, size) }?;
+        tables.reservations.remove(&start);
+        Ok(())
+    }
+
+    fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        let context = self.device("create_chunk", device)?;
+        check_size("create_chunk", context.granularity(), size)?;
+        context.bind()?;
+        let handle = result::mem_create(context.ordinal(), size)?;
+        self.tables()
+            .chunks
+            .insert(handle, ChunkEntry { device, size });
+        Ok(ChunkHandle(handle))
+    }
+
+    fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {
+        let mut tables = self.tables();
+        let Some(entry) = tables.chunks.get(&chunk.0) else {
+            return Err(Error::invalid(
+                "release_chunk",
+                format!("{chunk:?} is not a live chunk"),
+            ));
+        };
+        self.device("release_chunk", entry.device)?.bind()?;
+        // SAFETY: the tables hold the handle, so `create_chunk` made it and
+        // it is not released yet; it is removed below under the same lock,
+        // so it is released once and never used again.
+        unsafe { result::mem_release(chunk.0) }?;
+        tables.chunks.remove(&chunk.0);
+        Ok(())
+    }
+
+    fn map(&self, va: DevicePtr, chunk: ChunkHandle) -> Result<()> {
+        let mut tables = self.tables();
+        let Some(entry) = tables.chunks.get(&chunk.0).copied() else {
+            return Err(Error::invalid(
+                "map",
+                format!("{chunk:?} is not a live chunk"),
+            ));
+        };
+        let size = entry.size;
+        let (start, end) = span("map", va, size)?;
+        let context = self.device("map", entry.device)?;
+        check_granular("map", context.granularity(), "address", start)?;
+        if !tables.in_one_reservation(start, end) {
+            return Err(Error::invalid(
+                "map",
+                format!("{size} bytes at {va} are not inside one reservation"),
+            ));
+        }
+        if tables.overlaps_mapping(start, end) {
+            return Err(Error::invalid(
+                "map",
+                format!("{size} bytes at {va} overlap an existing mapping"),
+            ));
+        }
+        context.bind()?;
+        // SAFETY: the tables say the handle is live and the range lies in
+        // one of vmm's reservations with nothing mapped; the lock keeps all
+        // of that true until the mapping is recorded below.
+        unsafe { result::mem_map(start, size, 0, chunk.0) }?;
+        tables.mappings.insert(start, size);
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
+        let (start, end) = span("unmap", va, size)?;
+        let mut tables = self.tables();
+        if !tables.in_one_reservation(start, end) || !tables.is_whole_mappings(start, end) {
+            return Err(Error::invalid(
+                "unmap",
+                format!("{size} bytes at {va} are not a run of whole mappings"),
+            ));
+        }
+        self.first().bind()?;
+        // SAFETY: the tables say the range is exactly whole mappings made by
+        // `map`; the caller guarantees (trait contract) that no queued work
+        // still touches it.
+        unsafe { result::mem_unmap(start, size) }?;
+        let gone: Vec<u64> = tables
+            .mappings
+            .range(start..end)
+            .map(|(&va, _)| va)
+            .collect();
+        for va in gone {
+            tables.mappings.remove(&va);
+        }
+        Ok(())
+    }
+
+    fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()> {
+        let desc = access
+            .iter()
+            .map(|desc| {
+                Ok(sys::CUmemAccessDesc {
+                    location: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: self.device("set_access", desc.device)?.ordinal(),
+                    },
+                    flags: match desc.access {
+                        Access::None => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+                        Access::Read => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+                        Access::ReadWrite => {
+                            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                        }
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (start, end) = span("set_access", va, size)?;
+        let tables = self.tables();
+        if !tables.in_one_reservation(start, end) || !tables.is_whole_mappings(start, end) {
+            return Err(Error::invalid(
+                "set_access",
+                format!("{size} bytes at {va} are not a run of whole mappings"),
+            ));
+        }
+        if desc.is_empty() {
+            return Ok(());
+        }
+        self.first().bind()?;
+        // SAFETY: the tables say the range is whole mappings made by `map`,
+        // and the lock keeps them mapped during the call; taking access away
+        // from queued work is the caller's to avoid (trait contract), and
+        // at worst faults the context, not the process.
+        unsafe { result::mem_set_access(start, size, &desc) }
+    }
+
+    fn create_stream(&self, device: DeviceId) -> Result<CudaStream> {
+        let context = self.device("create_stream", device)?;
+        context.bind()?;
+        let stream = result::stream_create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING)?;
+        Ok(CudaStream {
+            stream,
+            context: Arc::clone(context),
+        })
+    }
+
+    fn synchronize_stream(&self, stream: &CudaStream) -> Result<()> {
+        stream.context.bind()?;
+        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
+        unsafe { result::stream_synchronize(stream.stream) }
+    }
+
+    fn create_event(&self, device: DeviceId) -> Result<CudaEvent> {
+        let context = self.device("create_event", device)?;
+        context.bind()?;
+        let event = result::event_create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        Ok(CudaEvent {
+            event,
+            context: Arc::clone(context),
+        })
+    }
+
+    fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+        stream.context.bind()?;
+        // SAFETY: both hold live handles until they are dropped. An event
+        // and stream of different devices is an error from the driver.
+        unsafe { result::event_record(event.event, stream.stream) }
+    }
+
+    fn query_event(&self, event: &CudaEvent) -> Result<EventStatus> {
+        event.context.bind()?;
+        // SAFETY: a `CudaEvent` holds a live event until it is dropped.
+        unsafe { result::event_query(event.event) }
+    }
+
+    fn synchronize_event(&self, event: &CudaEvent) -> Result<()> {
+        event.context.bind()?;
+        // SAFETY: a `CudaEvent` holds a live event until it is dropped.
+        unsafe { result::event_synchronize(event.event) }
+    }
+
+    fn stream_wait_event(&self, stream: &CudaStream, event: &CudaEvent) -> Result<()> {
+        stream.context.bind()?;
+        // SAFETY: both hold live handles until they are dropped; waiting on
+        // an event of another device is allowed.
+        unsafe { result::stream_wait_event(stream.stream, event.event) }
+    }
+
+    fn fill_u32(
+        &self,
+        stream: &CudaStream,
+        dst: DevicePtr,
+        count: usize,
+        value: u32,
+    ) -> Result<()> {
+        if !dst.is_aligned(4) {
+            return Err(Error::invalid(
+                "fill_u32",
+                format!("{dst} is not 4-byte aligned"),
+            ));
+        }
+        let len = count
+            .checked_mul(4)
+            .ok_or_else(|| Error::invalid("fill_u32", "count overflows"))?;
+        let _mapped = self.mapped("fill_u32", dst, len.max(1))?;
+        stream.context.bind()?;
+        // SAFETY: the stream is live until dropped; the range lies in vmm's
+        // mappings, held so while the work is queued, and the caller
+        // guarantees (trait contract) that it is not unmapped before the
+        // work has run.
+        unsafe { result::memset_d32_async(dst.0, value, count, stream.stream) }
+    }
+
+    fn copy_to_host(&self, stream: &CudaStream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        {
+            let _mapped = self.mapped("copy_to_host", src, dst.len().max(1))?;
+            stream.context.bind()?;
+            if !dst.is_empty() {
+                // SAFETY: the stream is live until dropped; the source lies
+                // in vmm's mappings, held so while the copy is queued and
+                // not unmapped before it has run (trait contract); `dst` is
+                // borrowed for this whole call and not touched until the
+                // synchronisation below, after which the copy is complete
+                // (or the context has faulted and runs no more work).
+                unsafe { result::memcpy_dtoh_async(dst, src.0, stream.stream) }?;
+            }
+        }
+        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
+        unsafe { result::stream_synchronize(stream.stream) }
+    }
+
+    fn delay(&self, stream: &CudaStream, duration: Duration) -> Result<()> {
+        let function = stream.context.delay_function()?;
+        stream.context.bind()?;
+        let mut ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        let mut params = [ptr::from_mut(&mut ns).cast::<c_void>()];
+        // SAFETY: `function` is vmm_delay, loaded in the stream's own context
+        // (kept alive by the stream); its one parameter is a .u64 and
+        // `params` holds one pointer to a u64, which the driver copies
+        // before returning. The kernel touches no memory.
+        unsafe { result::launch_single_thread(function, stream.stream, &mut params) }
+    }
+}

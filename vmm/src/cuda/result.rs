@@ -1,0 +1,546 @@
+//! The checked layer: one function per driver entry point used, turning its
+//! `CUresult` into [`crate::Result`].
+//!
+//! A function is `unsafe` when the driver could misbehave (touch freed state,
+//! write through a dangling pointer) on arguments that Rust cannot check: a
+//! handle that is no longer alive, a host buffer that must outlive queued
+//! work. Its `# Safety` section lists what the caller guarantees. Functions
+//! that only create things, or only read state into out-parameters they own,
+//! are safe.
+//!
+//! Every function here calls into the lazily loaded driver library; the caller
+//! ([`super::Cuda::new`]) checks that it can be loaded before the first call,
+//! since a missing library is a panic inside cudarc rather than an error.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ptr;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::{Error, ErrorKind, EventStatus, Result};
+
+/// `Ok(())` on `CUDA_SUCCESS`, otherwise the error of `call`.
+fn check(call: &'static str, code: CUresult) -> Result<()> {
+    match code {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        code => Err(error(call, code)),
+    }
+}
+
+/// The [`Error::Cuda`] for a failed `call`, with the driver's own words.
+fn error(call: &'static str, code: CUresult) -> Error {
+    Error::Cuda {
+        call,
+        kind: kind_of(code),
+        code: code as u32,
+        name: error_text(code, sys::cuGetErrorName).unwrap_or_else(|| format!("{code:?}")),
+        description: error_text(code, sys::cuGetErrorString)
+            .unwrap_or_else(|| "no description from the driver".to_owned()),
+    }
+}
+
+/// The text `lookup` (`cuGetErrorName` or `cuGetErrorString`) gives `code`.
+fn error_text(
+    code: CUresult,
+    lookup: unsafe fn(CUresult, *mut *const c_char) -> CUresult,
+) -> Option<String> {
+    let mut text: *const c_char = ptr::null();
+    // SAFETY: `lookup` is one of the two error-text entry points (the only
+    // callers are in `error`); both take any `CUresult` (unknown ones give
+    // CUDA_ERROR_INVALID_VALUE) and only write a pointer to `text`. The
+    // library is loaded: `code` came from it.
+    if unsafe { lookup(code, &mut text) } != CUresult::CUDA_SUCCESS || text.is_null() {
+        return None;
+    }
+    // SAFETY: on success the driver points `text` at a static NUL-terminated
+    // string.
+    Some(
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// Classifies a `CUresult` for callers that match on what went wrong.
+fn kind_of(code: CUresult) -> ErrorKind {
+    use CUresult as R;
+    match code {
+        R::CUDA_ERROR_INVALID_VALUE
+        | R::CUDA_ERROR_INVALID_HANDLE
+        | R::CUDA_ERROR_NOT_MAPPED
+        | R::CUDA_ERROR_NOT_MAPPED_AS_ARRAY
+        | R::CUDA_ERROR_NOT_MAPPED_AS_POINTER
+        | R::CUDA_ERROR_ALREADY_MAPPED
+        | R::CUDA_ERROR_NOT_FOUND
+        | R::CUDA_ERROR_INVALID_CONTEXT
+        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED => ErrorKind::InvalidArgument,
+        R::CUDA_ERROR_OUT_OF_MEMORY => ErrorKind::OutOfMemory,
+        R::CUDA_ERROR_NO_DEVICE | R::CUDA_ERROR_INVALID_DEVICE => ErrorKind::InvalidDevice,
+        // Failures of queued work: sticky, reported by whichever call
+        // synchronises next.
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+        | R::CUDA_ERROR_LAUNCH_FAILED
+        | R::CUDA_ERROR_LAUNCH_TIMEOUT
+        | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | R::CUDA_ERROR_MISALIGNED_ADDRESS
+        | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | R::CUDA_ERROR_INVALID_PC
+        | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+        | R::CUDA_ERROR_ASSERT
+        | R::CUDA_ERROR_TENSOR_MEMORY_LEAK
+        | R::CUDA_ERROR_ECC_UNCORRECTABLE
+        | R::CUDA_ERROR_NVLINK_UNCORRECTABLE
+        | R::CUDA_ERROR_CONTAINED
+        | R::CUDA_ERROR_EXTERNAL_DEVICE => ErrorKind::StreamFault,
+        R::CUDA_ERROR_DEINITIALIZED => ErrorKind::Deinitialized,
+        // No usable driver behind the library: never initialised, a stub, or
+        // a kernel module that does not match it.
+        R::CUDA_ERROR_NOT_INITIALIZED
+        | R::CUDA_ERROR_STUB_LIBRARY
+        | R::CUDA_ERROR_SYSTEM_NOT_READY
+        | R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+        | R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE => ErrorKind::DriverUnavailable,
+        // Everything else, including a kernel image the device cannot run
+        // (CUDA_ERROR_NO_BINARY_FOR_GPU, CUDA_ERROR_INVALID_PTX): that is
+        // vmm's own PTX, not an argument of the caller.
+        _ => ErrorKind::Other,
+    }
+}
+
+// ---- initialisation and devices --------------------------------------------
+
+/// `cuInit(0)`.
+pub(crate) fn init() -> Result<()> {
+    // SAFETY: cuInit takes no pointers and may be called any number of times.
+    check("cuInit", unsafe { sys::cuInit(0) })
+}
+
+/// `cuDeviceGetCount`.
+pub(crate) fn device_get_count() -> Result<c_int> {
+    let mut count = 0;
+    // SAFETY: `count` is a valid place for the driver to write the count.
+    check("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
+    Ok(count)
+}
+
+/// `cuDeviceGet`: the device of ordinal `ordinal`.
+pub(crate) fn device_get(ordinal: c_int) -> Result<sys::CUdevice> {
+    let mut device = 0;
+    // SAFETY: `device` is a valid place for the driver to write the handle;
+    // an out-of-range ordinal is an error.
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut device, ordinal)
+    })?;
+    Ok(device)
+}
+
+/// `cuDevicePrimaryCtxRetain`: retains (and creates, the first time) the
+/// primary context of `device`.
+pub(crate) fn device_primary_ctx_retain(device: sys::CUdevice) -> Result<sys::CUcontext> {
+    let mut ctx = ptr::null_mut();
+    // SAFETY: `ctx` is a valid place for the driver to write the handle; an
+    // invalid `device` is an error.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+    })?;
+    Ok(ctx)
+}
+
+/// `cuDevicePrimaryCtxRelease_v2`.
+///
+/// # Safety
+/// 1. Balances one successful [`device_primary_ctx_retain`] of `device`
+///    made by the caller.
+/// 2. The caller uses the context, and anything it created in it, no more:
+///    this may be the last retain, which destroys the context.
+pub(crate) unsafe fn device_primary_ctx_release(device: sys::CUdevice) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuDevicePrimaryCtxRelease_v2", unsafe {
+        sys::cuDevicePrimaryCtxRelease_v2(device)
+    })
+}
+
+/// `cuCtxSetCurrent`: binds `ctx` to the calling thread.
+///
+/// # Safety
+/// 1. `ctx` is a context the caller keeps alive (retained) while it is used
+///    through this thread.
+pub(crate) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+}
+
+/// `cuCtxSynchronize`: waits for all work in the current context.
+pub(crate) fn ctx_synchronize() -> Result<()> {
+    // SAFETY: cuCtxSynchronize takes no arguments; without a current context
+    // it returns an error.
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
+/// `cuMemGetInfo_v2`: `(free, total)` bytes of the current context's device.
+pub(crate) fn mem_get_info() -> Result<(usize, usize)> {
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: both are valid places for the driver to write a size; without
+    // a current context the driver returns an error.
+    check("cuMemGetInfo_v2", unsafe {
+        sys::cuMemGetInfo_v2(&mut free, &mut total)
+    })?;
+    Ok((free, total))
+}
+
+// ---- virtual memory -----------------------------------------------------------
+
+/// Pinned device memory on the device of ordinal `ordinal`: the only kind of
+/// physical memory vmm creates. Requests no shareable handle, so the driver
+/// reads none of the Windows-only fields.
+fn pinned_on(ordinal: c_int) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// `cuMemGetAllocationGranularity` (minimum) of pinned memory on the device
+/// of ordinal `ordinal`.
+pub(crate) fn mem_get_allocation_granularity(ordinal: c_int) -> Result<usize> {
+    let prop = pinned_on(ordinal);
+    let mut granularity = 0;
+    // SAFETY: `prop` is a fully initialised property that outlives the call;
+    // `granularity` is a valid place for the result.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok(granularity)
+}
+
+/// `cuMemAddressReserve`: a fresh range of `size` bytes aligned to
+/// `alignment`, anywhere (no address hint, no flags).
+pub(crate) fn mem_address_reserve(size: usize, alignment: usize) -> Result<sys::CUdeviceptr> {
+    let mut base = 0;
+    // SAFETY: `base` is a valid place for the address; a fresh reservation
+    // does not touch any existing memory.
+    check("cuMemAddressReserve", unsafe {
+        sys::cuMemAddressReserve(&mut base, size, alignment, 0, 0)
+    })?;
+    Ok(base)
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// 1. `base` and `size` are exactly a live reservation of the caller's, from
+///    [`mem_address_reserve`].
+/// 2. Nothing is mapped in it any more.
+pub(crate) unsafe fn mem_address_free(base: sys::CUdeviceptr, size: usize) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuMemAddressFree", unsafe {
+        sys::cuMemAddressFree(base, size)
+    })
+}
+
+/// `cuMemCreate`: `size` bytes of pinned memory on the device of ordinal
+/// `ordinal`.
+pub(crate) fn mem_create(ordinal: c_int, size: usize) -> Result<sys::CUmemGenericAllocationHandle> {
+    let prop = pinned_on(ordinal);
+    let mut handle = 0;
+    // SAFETY: `prop` is a fully initialised property that outlives the call;
+    // `handle` is a valid place for the new handle.
+    check("cuMemCreate", unsafe {
+        sys::cuMemCreate(&mut handle, size, &prop, 0)
+    })?;
+    Ok(handle)
+}
+
+/// `cuMemRelease`.
+///
+/// # Safety
+/// 1. `handle` is a live handle of the caller's, from [`mem_create`], not
+///    used again after this call (mappings of it stay valid until unmapped).
+pub(crate) unsafe fn mem_release(handle: sys::CUmemGenericAllocationHandle) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+}
+
+/// `cuMemMap`: maps `size` bytes of `handle` from `offset` at `va`. The
+/// driver supports whole allocations only (`offset` 0, `size` the handle's
+/// size) and answers anything else with `CUDA_ERROR_NOT_SUPPORTED`.
+///
+/// # Safety
+/// 1. `handle` is a live handle from [`mem_create`].
+/// 2. `[va, va + size)` lies inside one live reservation of the caller's and
+///    nothing is mapped there, so no other owner's memory is affected.
+pub(crate) unsafe fn mem_map(
+    va: sys::CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuMemMap", unsafe {
+        sys::cuMemMap(va, size, offset, handle, 0)
+    })
+}
+
+/// `cuMemUnmap`.
+///
+/// # Safety
+/// 1. `[va, va + size)` is made of whole mappings the caller made with
+///    [`mem_map`].
+/// 2. No queued or running work still accesses it.
+pub(crate) unsafe fn mem_unmap(va: sys::CUdeviceptr, size: usize) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(va, size) })
+}
+
+/// `cuMemSetAccess`: applies every descriptor of `desc` to the range.
+///
+/// # Safety
+/// 1. `[va, va + size)` is mapped, by the caller, through [`mem_map`].
+/// 2. No queued or running work relies on access that `desc` takes away.
+pub(crate) unsafe fn mem_set_access(
+    va: sys::CUdeviceptr,
+    size: usize,
+    desc: &[sys::CUmemAccessDesc],
+) -> Result<()> {
+    // SAFETY: `desc` points at `desc.len()` initialised descriptors for the
+    // duration of the call; the caller upholds 1 and 2.
+    check("cuMemSetAccess", unsafe {
+        sys::cuMemSetAccess(va, size, desc.as_ptr(), desc.len())
+    })
+}
+
+// ---- streams and events --------------------------------------------------------
+
+/// `cuStreamCreate` in the current context.
+pub(crate) fn stream_create(flags: sys::CUstream_flags) -> Result<sys::CUstream> {
+    let mut stream = ptr::null_mut();
+    // SAFETY: `stream` is a valid place for the new handle.
+    check("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(&mut stream, flags as c_uint)
+    })?;
+    Ok(stream)
+}
+
+/// `cuStreamDestroy_v2`: queued work still runs; the handle is freed after.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`], not used again.
+pub(crate) unsafe fn stream_destroy(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuStreamDestroy_v2", unsafe {
+        sys::cuStreamDestroy_v2(stream)
+    })
+}
+
+/// `cuStreamSynchronize`.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+pub(crate) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream)
+    })
+}
+
+/// `cuStreamWaitEvent` with no flags.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+/// 2. `event` is a live event from [`event_create`].
+pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, event: sys::CUevent) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(stream, event, 0)
+    })
+}
+
+/// `cuEventCreate` in the current context.
+pub(crate) fn event_create(flags: sys::CUevent_flags) -> Result<sys::CUevent> {
+    let mut event = ptr::null_mut();
+    // SAFETY: `event` is a valid place for the new handle.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut event, flags as c_uint)
+    })?;
+    Ok(event)
+}
+
+/// `cuEventDestroy_v2`.
+///
+/// # Safety
+/// 1. `event` is a live event from [`event_create`], not used again.
+pub(crate) unsafe fn event_destroy(event: sys::CUevent) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuEventDestroy_v2", unsafe {
+        sys::cuEventDestroy_v2(event)
+    })
+}
+
+/// `cuEventRecord`.
+///
+/// # Safety
+/// 1. `event` is a live event from [`event_create`].
+/// 2. `stream` is a live stream from [`stream_create`].
+pub(crate) unsafe fn event_record(event: sys::CUevent, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event, stream)
+    })
+}
+
+/// `cuEventQuery`: `CUDA_ERROR_NOT_READY` is [`EventStatus::Pending`], not an
+/// error; every other failure is one.
+///
+/// # Safety
+/// 1. `event` is a live event from [`event_create`].
+pub(crate) unsafe fn event_query(event: sys::CUevent) -> Result<EventStatus> {
+    // SAFETY: the caller upholds 1.
+    match unsafe { sys::cuEventQuery(event) } {
+        CUresult::CUDA_SUCCESS => Ok(EventStatus::Complete),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(EventStatus::Pending),
+        code => Err(error("cuEventQuery", code)),
+    }
+}
+
+/// `cuEventSynchronize`.
+///
+/// # Safety
+/// 1. `event` is a live event from [`event_create`].
+pub(crate) unsafe fn event_synchronize(event: sys::CUevent) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuEventSynchronize", unsafe {
+        sys::cuEventSynchronize(event)
+    })
+}
+
+// ---- asynchronous work -----------------------------------------------------------
+
+/// `cuMemsetD32Async`: queues `count` writes of `value` from `dst` on.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+/// 2. `[dst, dst + 4 * count)` lies in mappings the caller made with
+///    [`mem_map`] (device memory, so the write never reaches host memory),
+///    which stay mapped until the work has run. Missing access faults the
+///    context rather than the process.
+pub(crate) unsafe fn memset_d32_async(
+    dst: sys::CUdeviceptr,
+    value: u32,
+    count: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuMemsetD32Async", unsafe {
+        sys::cuMemsetD32Async(dst, value, count, stream)
+    })
+}
+
+/// `cuMemcpyDtoHAsync_v2`: queues a copy of `dst.len()` bytes from `src`.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+/// 2. `[src, src + dst.len())` lies in mappings the caller made with
+///    [`mem_map`], which stay mapped until the copy has run.
+/// 3. `dst` is neither read, written nor freed until the stream has
+///    finished the copy (the caller synchronises before it returns).
+pub(crate) unsafe fn memcpy_dtoh_async(
+    dst: &mut [u8],
+    src: sys::CUdeviceptr,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: `dst` is valid for writes of `dst.len()` bytes; the caller
+    // upholds 1 to 3, so it stays so until the copy is done.
+    check("cuMemcpyDtoHAsync_v2", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream)
+    })
+}
+
+/// `cuModuleLoadData`: JIT-compiles the PTX `image` into the current context.
+pub(crate) fn module_load_data(image: &CStr) -> Result<sys::CUmodule> {
+    let mut module = ptr::null_mut();
+    // SAFETY: `image` is NUL-terminated text, as the driver requires of PTX,
+    // alive for the call; `module` is a valid place for the new handle.
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut module, image.as_ptr().cast())
+    })?;
+    Ok(module)
+}
+
+/// `cuModuleGetFunction`.
+///
+/// # Safety
+/// 1. `module` is a live module from [`module_load_data`].
+pub(crate) unsafe fn module_get_function(
+    module: sys::CUmodule,
+    name: &CStr,
+) -> Result<sys::CUfunction> {
+    let mut function = ptr::null_mut();
+    // SAFETY: `name` is NUL-terminated and alive for the call; `function` is
+    // a valid place for the handle; the caller upholds 1.
+    check("cuModuleGetFunction", unsafe {
+        sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
+    })?;
+    Ok(function)
+}
+
+/// `cuModuleUnload`.
+///
+/// # Safety
+/// 1. `module` is a live module from [`module_load_data`], whose context is
+///    current; neither it nor its functions are used again, and no queued
+///    work still runs them.
+pub(crate) unsafe fn module_unload(module: sys::CUmodule) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuModuleUnload", unsafe { sys::cuModuleUnload(module) })
+}
+
+/// `cuLaunchKernel` of a single thread (grid and block 1×1×1, no shared
+/// memory). `params` holds one pointer per kernel parameter, to a value of
+/// that parameter's type; the driver copies the values before returning.
+///
+/// # Safety
+/// 1. `function` is from a live module of the context of `stream`, a live
+///    stream from [`stream_create`].
+/// 2. `params` matches the kernel's parameter list in number, order and
+///    size.
+/// 3. Whatever memory the kernel touches stays valid until it has run.
+pub(crate) unsafe fn launch_single_thread(
+    function: sys::CUfunction,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    // SAFETY: the caller upholds 1 to 3; `extra` is null, so the driver reads
+    // the parameters from `params` only.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            function,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            ptr::null_mut(),
+        )
+    })
+}

@@ -1,0 +1,579 @@
+//! The host backend: vmpool's memory model on Linux virtual memory.
+//!
+//! ```text
+//!   reserve      mmap(PROT_NONE, NORESERVE)      [.............................]
+//!   create       memfd_create + ftruncate        chunk = a file of N granules
+//!   map          mmap(MAP_SHARED|MAP_FIXED, fd)  [....|chunk|..................]
+//!   set access   mprotect(READ|WRITE)            [....|rw   |..................]
+//!   unmap        mmap(PROT_NONE, MAP_FIXED)      [.............................]
+//! ```
+//!
+//! Chunks are real shared memory, so data written through one mapping of a
+//! chunk is seen through every other, and a chunk keeps its data when it is
+//! unmapped and mapped elsewhere: exactly what remapping relies on.
+//!
+//! Every call is checked against the backend's own tables (reservations,
+//! chunks, mappings) before the kernel is asked, so a wrong call is an error,
+//! never a stray `MAP_FIXED` over someone else's memory. Stream work reads
+//! and writes memory under the tables' read lock after checking that the
+//! range is mapped with access for the stream's device; unmap and set-access
+//! take the write lock, so they never pull memory from under running work.
+//! "Device memory" is the configured size per device; creating a chunk
+//! beyond it fails with [`ErrorKind::OutOfMemory`].
+
+mod stream;
+mod sys;
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
+
+pub use stream::{HostEvent, HostStream};
+
+use crate::{
+    Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
+    MemInfo, Result,
+};
+
+/// Shape of the simulated machine.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    pub devices: u32,
+    /// Physical memory of each device, in bytes.
+    pub memory_per_device: usize,
+    /// Chunk and mapping unit; a multiple of the system page size.
+    pub granularity: usize,
+}
+
+impl Default for HostConfig {
+    /// One device of 16 GiB with the H200's 2 MiB granularity. Memory is
+    /// only committed where it is written, so the size costs nothing unused.
+    fn default() -> Self {
+        Self {
+            devices: 1,
+            memory_per_device: 16 << 30,
+            granularity: 2 << 20,
+        }
+    }
+}
+
+pub struct Host {
+    config: HostConfig,
+    memory: Arc<Memory>,
+}
+
+impl Host {
+    pub fn new(config: HostConfig) -> Result<Arc<Self>> {
+        let page = rustix::param::page_size();
+        if config.devices == 0 {
+            return Err(Error::invalid("Host::new", "at least one device is needed"));
+        }
+        if config.granularity == 0 || config.granularity % page != 0 {
+            return Err(Error::invalid(
+                "Host::new",
+                format!(
+                    "granularity {} is not a multiple of the page size {page}",
+                    config.granularity
+                ),
+            ));
+        }
+        sys::raise_fd_limit();
+        let memory = Arc::new(Memory {
+            tables: RwLock::new(Tables {
+                used: vec![0; config.devices as usize],
+                ..Tables::default()
+            }),
+        });
+        Ok(Arc::new(Self { config, memory }))
+    }
+
+    pub fn config(&self) -> &HostConfig {
+        &self.config
+    }
+
+    fn check_device(&self, call: &'static str, device: DeviceId) -> Result<()> {
+        if device.0 < self.config.devices {
+            Ok(())
+        } else {
+            Err(Error::rejected(
+                call,
+                ErrorKind::InvalidDevice,
+                format!(
+                    "{device} does not exist ({} configured)",
+                    self.config.devices
+                ),
+            ))
+        }
+    }
+
+    /// Checks that `size` (and `more` values) are granularity multiples.
+    fn check_granular(&self, call: &'static str, what: &[(&str, u64)]) -> Result<()> {
+        let g = self.config.granularity as u64;
+        for (name, value) in what {
+            if value % g != 0 {
+                return Err(Error::invalid(
+                    call,
+                    format!("{name} {value:#x} is not a multiple of the granularity {g:#x}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_size(&self, call: &'static str, size: usize) -> Result<()> {
+        if size == 0 {
+            return Err(Error::invalid(call, "size is zero"));
+        }
+        self.check_granular(call, &[("size", size as u64)])
+    }
+}
+
+struct ChunkEntry {
+    device: DeviceId,
+    size: usize,
+    /// `None` once the handle is released; the memory lives on (and counts
+    /// as used) until its last mapping goes, as with `cuMemRelease`.
+    fd: Option<Arc<OwnedFd>>,
+    mappings: usize,
+}
+
+struct MappingEntry {
+    size: usize,
+    chunk: u64,
+    /// Access granted to each device; a device not listed has none.
+    access: HashMap<DeviceId, Access>,
+}
+
+#[derive(Default)]
+struct Tables {
+    /// Reservation base -> size.
+    reservations: BTreeMap<u64, usize>,
+    chunks: HashMap<u64, ChunkEntry>,
+    /// Mapping start -> entry; mappings never overlap.
+    mappings: BTreeMap<u64, MappingEntry>,
+    /// Physical bytes in existence on each device.
+    used: Vec<usize>,
+    next_chunk: u64,
+}
+
+impl Tables {
+    /// The reservation holding all of [start, start + size), if one does.
+    fn reservation_of(&self, start: u64, size: usize) -> Option<(u64, usize)> {
+        let (&base, &len) = self.reservations.range(..=start).next_back()?;
+        (start + size as u64 <= base + len as u64).then_some((base, len))
+    }
+
+    /// The mappings that tile [start, start + size) exactly, first to last,
+    /// or `None` when a byte of it is unmapped.
+    fn covering(&self, start: u64, size: usize) -> Option<Vec<(u64, &MappingEntry)>> {
+        let end = start + size as u64;
+        let first = self.mappings.range(..=start).next_back()?;
+        let mut out = Vec::new();
+        let mut at = *first.0;
+        for (&va, entry) in self.mappings.range(at..) {
+            if va != at || at >= end {
+                break;
+            }
+            out.push((va, entry));
+            at = va + entry.size as u64;
+        }
+        (at >= end && *first.0 + first.1.size as u64 > start).then_some(out)
+    }
+
+    fn overlaps_mapping(&self, start: u64, size: usize) -> bool {
+        self.mappings
+            .range(..start + size as u64)
+            .next_back()
+            .is_some_and(|(&va, m)| va + m.size as u64 > start)
+    }
+
+    /// Forgets a chunk once it is both released and unmapped everywhere.
+    fn collect(&mut self, handle: u64) {
+        if let Some(c) = self.chunks.get(&handle) {
+            if c.fd.is_none() && c.mappings == 0 {
+                self.used[c.device.0 as usize] -= c.size;
+                self.chunks.remove(&handle);
+            }
+        }
+    }
+}
+
+/// The tables, shared with the stream workers.
+pub(super) struct Memory {
+    tables: RwLock<Tables>,
+}
+
+impl Memory {
+    fn tables(&self) -> RwLockReadGuard<'_, Tables> {
+        self.tables.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tables_mut(&self) -> RwLockWriteGuard<'_, Tables> {
+        self.tables.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on [start, start + len) after checking, under the read lock,
+    /// that `device` may access all of it as `need` requires.
+    fn with_access<T>(
+        &self,
+        device: DeviceId,
+        start: DevicePtr,
+        len: usize,
+        need: Access,
+        f: impl FnOnce() -> T,
+    ) -> Result<T> {
+        let tables = self.tables();
+        let covering = tables.covering(start.0, len.max(1)).ok_or_else(|| {
+            Error::rejected(
+                "stream access",
+                ErrorKind::StreamFault,
+                format!("{len} bytes at {start} are not all mapped"),
+            )
+        })?;
+        for (va, m) in covering {
+            let has = m.access.get(&device).copied().unwrap_or(Access::None);
+            let ok = match need {
+                Access::ReadWrite => has == Access::ReadWrite,
+                Access::Read => has != Access::None,
+                Access::None => true,
+            };
+            if !ok {
+                return Err(Error::rejected(
+                    "stream access",
+                    ErrorKind::StreamFault,
+                    format!(
+                        "{device} has {has:?} access to the mapping at {va:#x}, needs {need:?}"
+                    ),
+                ));
+            }
+        }
+        Ok(f())
+    }
+
+    fn fill(&self, device: DeviceId, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
+        let len = count
+            .checked_mul(4)
+            .ok_or_else(|| Error::invalid("fill_u32", "count overflows"))?;
+        // SAFETY: `with_access` checked that the range is mapped read-write
+        // for this device and holds the read lock while the closure runs, so
+        // it stays mapped; `fill_u32` (the trait method) checked alignment.
+        self.with_access(device, dst, len, Access::ReadWrite, || unsafe {
+            sys::fill_u32(dst.0 as usize, count, value)
+        })
+    }
+
+    fn read_bytes(&self, device: DeviceId, src: DevicePtr, len: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0; len];
+        // SAFETY: as in `fill`, for read access; `copy_to_host` checked the
+        // alignment.
+        self.with_access(device, src, len, Access::Read, || unsafe {
+            sys::read(src.0 as usize, &mut out)
+        })?;
+        Ok(out)
+    }
+}
+
+impl Backend for Host {
+    type Stream = HostStream;
+    type Event = HostEvent;
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(self.config.devices)
+    }
+
+    fn granularity(&self, device: DeviceId) -> Result<usize> {
+        self.check_device("granularity", device)?;
+        Ok(self.config.granularity)
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        self.check_device("mem_info", device)?;
+        let used = self.memory.tables().used[device.0 as usize];
+        Ok(MemInfo {
+            free: self.config.memory_per_device - used,
+            total: self.config.memory_per_device,
+        })
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr> {
+        self.check_size("reserve", size)?;
+        let alignment = if alignment == 0 {
+            self.config.granularity
+        } else {
+            alignment
+        };
+        if !alignment.is_power_of_two() {
+            return Err(Error::invalid(
+                "reserve",
+                format!("alignment {alignment:#x} is not a power of two"),
+            ));
+        }
+        let start = sys::reserve(size, alignment.max(self.config.granularity))?;
+        self.memory
+            .tables_mut()
+            .reservations
+            .insert(start as u64, size);
+        Ok(DevicePtr(start as u64))
+    }
+
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
+        let mut tables = self.memory.tables_mut();
+        if tables.reservations.get(&base.0) != Some(&size) {
+            return Err(Error::invalid(
+                "free_reservation",
+                format!("no reservation of {size} bytes at {base}"),
+            ));
+        }
+        if tables.overlaps_mapping(base.0, size) {
+            return Err(Error::invalid(
+                "free_reservation",
+                format!("the reservation at {base} still has mappings"),
+            ));
+        }
+        sys::release_range(base.0 as usize, size)?;
+        tables.reservations.remove(&base.0);
+        Ok(())
+    }
+
+    fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        self.check_device("create_chunk", device)?;
+        self.check_size("create_chunk", size)?;
+        let mut tables = self.memory.tables_mut();
+        let used = tables.used[device.0 as usize];
+        if size > self.config.memory_per_device - used {
+            return Err(Error::rejected(
+                "create_chunk",
+                ErrorKind::OutOfMemory,
+                format!(
+                    "{size} bytes requested, {} of {} free on {device}",
+                    self.config.memory_per_device - used,
+                    self.config.memory_per_device
+                ),
+            ));
+        }
+        let fd = sys::create_memory(size)?;
+        tables.next_chunk += 1;
+        let handle = tables.next_chunk;
+        tables.used[device.0 as usize] += size;
+        tables.chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                fd: Some(Arc::new(fd)),
+                mappings: 0,
+            },
+        );
+        Ok(ChunkHandle(handle))
+    }
+
+    fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {
+        let mut tables = self.memory.tables_mut();
+        match tables.chunks.get_mut(&chunk.0) {
+            Some(entry) if entry.fd.is_some() => entry.fd = None,
+            _ => {
+                return Err(Error::invalid(
+                    "release_chunk",
+                    format!("{chunk:?} is not a live chunk"),
+                ))
+            }
+        }
+        tables.collect(chunk.0);
+        Ok(())
+    }
+
+    fn map(&self, va: DevicePtr, chunk: ChunkHandle) -> Result<()> {
+        self.check_granular("map", &[("address", va.0)])?;
+        let mut tables = self.memory.tables_mut();
+        let (fd, size) = match tables.chunks.get(&chunk.0) {
+            Some(ChunkEntry {
+                fd: Some(fd), size, ..
+            }) => (Arc::clone(fd), *size),
+            _ => {
+                return Err(Error::invalid(
+                    "map",
+                    format!("{chunk:?} is not a live chunk"),
+                ))
+            }
+        };
+        if tables.reservation_of(va.0, size).is_none() {
+            return Err(Error::invalid(
+                "map",
+                format!("{size} bytes at {va} are not inside one reservation"),
+            ));
+        }
+        if tables.overlaps_mapping(va.0, size) {
+            return Err(Error::invalid(
+                "map",
+                format!("{size} bytes at {va} overlap an existing mapping"),
+            ));
+        }
+        sys::map_shared(va.0 as usize, size, &*fd)?;
+        tables.mappings.insert(
+            va.0,
+            MappingEntry {
+                size,
+                chunk: chunk.0,
+                access: HashMap::new(),
+            },
+        );
+        tables
+            .chunks
+            .get_mut(&chunk.0)
+            .expect("looked up above")
+            .mappings += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
+        self.check_size("unmap", size)?;
+        let mut tables = self.memory.tables_mut();
+        let starts: Vec<u64> = match tables.covering(va.0, size) {
+            Some(c) if c[0].0 == va.0 && c.iter().map(|(_, m)| m.size).sum::<usize>() == size => {
+                c.iter().map(|(start, _)| *start).collect()
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "unmap",
+                    format!("{size} bytes at {va} are not a run of whole mappings"),
+                ))
+            }
+        };
+        sys::unmap_to_placeholder(va.0 as usize, size)?;
+        for start in starts {
+            let entry = tables.mappings.remove(&start).expect("found above");
+            tables
+                .chunks
+                .get_mut(&entry.chunk)
+                .expect("a mapped chunk is known")
+                .mappings -= 1;
+            tables.collect(entry.chunk);
+        }
+        Ok(())
+    }
+
+    fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()> {
+        self.check_size("set_access", size)?;
+        self.check_granular("set_access", &[("address", va.0)])?;
+        for desc in access {
+            self.check_device("set_access", desc.device)?;
+        }
+        let mut tables = self.memory.tables_mut();
+        let starts: Vec<u64> = tables
+            .covering(va.0, size)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "set_access",
+                    format!("{size} bytes at {va} are not all mapped"),
+                )
+            })?
+            .iter()
+            .map(|(start, _)| *start)
+            .collect();
+        if starts.first() != Some(&va.0) {
+            return Err(Error::invalid(
+                "set_access",
+                format!("{va} is not the start of a mapping"),
+            ));
+        }
+        for start in starts {
+            let entry = tables.mappings.get_mut(&start).expect("found above");
+            for desc in access {
+                entry.access.insert(desc.device, desc.access);
+            }
+            // The host has one set of page protections for all devices: the
+            // widest access any device has. Which device may do what is
+            // enforced by the stream workers from the table.
+            let widest = if entry.access.values().any(|a| *a == Access::ReadWrite) {
+                Access::ReadWrite
+            } else if entry.access.values().any(|a| *a == Access::Read) {
+                Access::Read
+            } else {
+                Access::None
+            };
+            sys::protect(start as usize, entry.size, widest)?;
+        }
+        Ok(())
+    }
+
+    fn create_stream(&self, device: DeviceId) -> Result<HostStream> {
+        self.check_device("create_stream", device)?;
+        HostStream::spawn(device, Arc::clone(&self.memory))
+    }
+
+    fn synchronize_stream(&self, stream: &HostStream) -> Result<()> {
+        stream.synchronize()
+    }
+
+    fn create_event(&self, device: DeviceId) -> Result<HostEvent> {
+        self.check_device("create_event", device)?;
+        Ok(HostEvent::new(device))
+    }
+
+    fn record_event(&self, event: &HostEvent, stream: &HostStream) -> Result<()> {
+        event.record(stream)
+    }
+
+    fn query_event(&self, event: &HostEvent) -> Result<EventStatus> {
+        event.query()
+    }
+
+    fn synchronize_event(&self, event: &HostEvent) -> Result<()> {
+        event.synchronize()
+    }
+
+    fn stream_wait_event(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {
+        event.make_wait(stream)
+    }
+
+    fn fill_u32(
+        &self,
+        stream: &HostStream,
+        dst: DevicePtr,
+        count: usize,
+        value: u32,
+    ) -> Result<()> {
+        if !dst.is_aligned(4) {
+            return Err(Error::invalid(
+                "fill_u32",
+                format!("{dst} is not 4-byte aligned"),
+            ));
+        }
+        stream.fill(dst, count, value)
+    }
+
+    fn copy_to_host(&self, stream: &HostStream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        if !src.is_aligned(4) {
+            return Err(Error::invalid(
+                "copy_to_host",
+                format!("{src} is not 4-byte aligned (the host backend reads whole words)"),
+            ));
+        }
+        stream.copy(src, dst)
+    }
+
+    fn delay(&self, stream: &HostStream, duration: Duration) -> Result<()> {
+        stream.delay(duration)
+    }
+}
+
+/// Mappings left behind at drop would keep memfds alive in this process
+/// forever; say so, since it means an owner leaked.
+impl Drop for Host {
+    fn drop(&mut self) {
+        let tables = self.memory.tables();
+        if !tables.mappings.is_empty() || !tables.chunks.is_empty() {
+            tracing::warn!(
+                mappings = tables.mappings.len(),
+                chunks = tables.chunks.len(),
+                reservations = tables.reservations.len(),
+                "host backend dropped with memory still allocated"
+            );
+        }
+    }
+}

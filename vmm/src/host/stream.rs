@@ -1,0 +1,242 @@
+//! Streams as worker threads, events as completion points.
+//!
+//! Each stream owns a thread that runs its operations in order. Recording an
+//! event queues a fresh [`Point`] that the worker completes when it reaches
+//! it; the event remembers its latest point, so a query or a wait sees
+//! exactly the work captured by the last record, as in CUDA. A stream that
+//! waits on an event queues a wait on the point current at that moment.
+//!
+//! A failed operation (an access to unmapped memory, say) makes its stream
+//! faulted: later operations are skipped and every later point completes
+//! with the error, which the next synchronize or query reports.
+
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::Duration;
+
+use super::Memory;
+use crate::{DeviceId, DevicePtr, Error, ErrorKind, EventStatus, Result};
+
+/// Recovers a lock poisoned by a panic elsewhere: the tables it guards are
+/// updated in single steps, so they are never left half-changed.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+enum PointState {
+    Pending,
+    Done,
+    Failed(Error),
+}
+
+/// One position in one stream.
+pub(super) struct Point {
+    state: Mutex<PointState>,
+    done: Condvar,
+}
+
+impl Point {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(PointState::Pending),
+            done: Condvar::new(),
+        })
+    }
+
+    fn complete(&self, fault: &Option<Error>) {
+        *lock(&self.state) = match fault {
+            None => PointState::Done,
+            Some(err) => PointState::Failed(err.clone()),
+        };
+        self.done.notify_all();
+    }
+
+    fn status(&self) -> Result<EventStatus> {
+        match &*lock(&self.state) {
+            PointState::Pending => Ok(EventStatus::Pending),
+            PointState::Done => Ok(EventStatus::Complete),
+            PointState::Failed(err) => Err(err.clone()),
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut state = lock(&self.state);
+        loop {
+            match &*state {
+                PointState::Pending => {
+                    state = self.done.wait(state).unwrap_or_else(|p| p.into_inner())
+                }
+                PointState::Done => return Ok(()),
+                PointState::Failed(err) => return Err(err.clone()),
+            }
+        }
+    }
+}
+
+enum Op {
+    Fill {
+        dst: DevicePtr,
+        count: usize,
+        value: u32,
+    },
+    Copy {
+        src: DevicePtr,
+        len: usize,
+        reply: mpsc::Sender<Result<Vec<u8>>>,
+    },
+    Delay(Duration),
+    Signal(Arc<Point>),
+    Wait(Arc<Point>),
+}
+
+/// A host-backend stream. Dropping it lets queued work finish, then the
+/// worker thread exits.
+pub struct HostStream {
+    device: DeviceId,
+    ops: mpsc::Sender<Op>,
+}
+
+impl HostStream {
+    pub(super) fn spawn(device: DeviceId, memory: Arc<Memory>) -> Result<Self> {
+        let (ops, queue) = mpsc::channel();
+        thread::Builder::new()
+            .name(format!("vmm-host-stream-{}", device.0))
+            .spawn(move || run(device, &memory, queue))
+            .map_err(|e| Error::rejected("create_stream", ErrorKind::Other, e.to_string()))?;
+        Ok(Self { device, ops })
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    fn send(&self, op: Op) -> Result<()> {
+        // The worker only exits once this sender is gone, so a send cannot
+        // fail while `self` exists, short of the worker panicking.
+        self.ops
+            .send(op)
+            .map_err(|_| Error::rejected("stream", ErrorKind::Other, "stream worker has died"))
+    }
+
+    pub(super) fn fill(&self, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
+        self.send(Op::Fill { dst, count, value })
+    }
+
+    pub(super) fn copy(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let (reply, answer) = mpsc::channel();
+        self.send(Op::Copy {
+            src,
+            len: dst.len(),
+            reply,
+        })?;
+        let bytes = answer
+            .recv()
+            .map_err(|_| Error::rejected("copy_to_host", ErrorKind::Other, "worker has died"))??;
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    pub(super) fn delay(&self, duration: Duration) -> Result<()> {
+        self.send(Op::Delay(duration))
+    }
+
+    pub(super) fn synchronize(&self) -> Result<()> {
+        let point = Point::new();
+        self.send(Op::Signal(Arc::clone(&point)))?;
+        point.wait()
+    }
+}
+
+fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>) {
+    let mut fault: Option<Error> = None;
+    for op in queue {
+        match op {
+            Op::Signal(point) => point.complete(&fault),
+            Op::Wait(point) => {
+                if let Err(err) = point.wait() {
+                    fault.get_or_insert(err);
+                }
+            }
+            _ if fault.is_some() => {
+                if let Op::Copy { reply, .. } = op {
+                    let _ = reply.send(Err(fault.clone().expect("checked above")));
+                }
+            }
+            Op::Fill { dst, count, value } => {
+                if let Err(err) = memory.fill(device, dst, count, value) {
+                    fault = Some(err);
+                }
+            }
+            Op::Copy { src, len, reply } => {
+                let result = memory.read_bytes(device, src, len);
+                if let Err(err) = &result {
+                    fault = Some(err.clone());
+                }
+                // The caller may have gone (it never does: it blocks on this).
+                let _ = reply.send(result);
+            }
+            Op::Delay(duration) => thread::sleep(duration),
+        }
+    }
+}
+
+/// A host-backend event: the point captured by its last record, if any.
+pub struct HostEvent {
+    device: DeviceId,
+    latest: Mutex<Option<Arc<Point>>>,
+}
+
+impl HostEvent {
+    pub(super) fn new(device: DeviceId) -> Self {
+        Self {
+            device,
+            latest: Mutex::new(None),
+        }
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    fn latest(&self) -> Option<Arc<Point>> {
+        lock(&self.latest).clone()
+    }
+
+    pub(super) fn record(&self, stream: &HostStream) -> Result<()> {
+        same_device("record_event", self.device, stream.device)?;
+        let point = Point::new();
+        // Hold the event's lock across the send so that two records racing
+        // on one event leave it pointing at the later of the two.
+        let mut latest = lock(&self.latest);
+        stream.send(Op::Signal(Arc::clone(&point)))?;
+        *latest = Some(point);
+        Ok(())
+    }
+
+    pub(super) fn query(&self) -> Result<EventStatus> {
+        self.latest()
+            .map_or(Ok(EventStatus::Complete), |p| p.status())
+    }
+
+    pub(super) fn synchronize(&self) -> Result<()> {
+        self.latest().map_or(Ok(()), |p| p.wait())
+    }
+
+    pub(super) fn make_wait(&self, stream: &HostStream) -> Result<()> {
+        match self.latest() {
+            Some(point) => stream.send(Op::Wait(point)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn same_device(call: &'static str, a: DeviceId, b: DeviceId) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            call,
+            format!("event of {a} used with a stream of {b}"),
+        ))
+    }
+}

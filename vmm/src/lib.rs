@@ -1,0 +1,28 @@
+//! vmm: vmpool's driver layer.
+//!
+//! ```text
+//!   vmpool (the allocator: safe Rust, address arithmetic and bookkeeping)
+//!      │ sees only the Backend trait and the owners in `memory`
+//!   ───┼────────────────────────────────────────────────────────────────
+//!   vmm│
+//!      ├── backend.rs  the trait: devices, VA ranges, chunks, mappings,
+//!      │               streams, events, and a little async work for tests
+//!      ├── memory.rs   Reservation / Chunk / Mapping: teardown order by ownership
+//!      ├── cuda/       CUDA driver API through cudarc's sys layer, dlopen'd
+//!      └── host/       the same model on Linux: memfd chunks mmap'd into a
+//!                      PROT_NONE reservation, streams as worker threads
+//! ```
+//!
+//! Every `unsafe` block of the project is in this crate, and each carries a
+//! `// SAFETY:` comment.
+
+mod backend;
+pub mod cuda;
+mod error;
+pub mod host;
+pub mod memory;
+mod types;
+
+pub use backend::Backend;
+pub use error::{Error, ErrorKind, Result};
+pub use types::{Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo};

@@ -1,0 +1,97 @@
+//! Small value types shared by the trait and its backends.
+
+use std::fmt;
+
+/// A device ordinal, as the driver numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceId(pub u32);
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "device {}", self.0)
+    }
+}
+
+/// A virtual address in the device address space (a `CUdeviceptr`).
+///
+/// On the host backend it is a real address in this process; either way it is
+/// only dereferenced by the backend, never by the allocator.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address `bytes` further on. Panics on overflow of the 64-bit
+    /// address space, which no valid range can reach.
+    pub fn byte_add(self, bytes: usize) -> Self {
+        Self(
+            self.0
+                .checked_add(bytes as u64)
+                .expect("device address overflow"),
+        )
+    }
+
+    /// Bytes from `base` up to `self`; `None` if `self` is below `base`.
+    pub fn offset_from(self, base: DevicePtr) -> Option<usize> {
+        self.0.checked_sub(base.0).map(|d| d as usize)
+    }
+
+    pub fn is_aligned(self, alignment: usize) -> bool {
+        alignment != 0 && self.0 % alignment as u64 == 0
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// The backend's name for one physical allocation (a `CUmemGenericAllocationHandle`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChunkHandle(pub u64);
+
+/// Free and total physical memory of a device, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// What a device may do with a mapped range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    None,
+    Read,
+    ReadWrite,
+}
+
+/// One entry of a set-access call: `device` gets `access`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AccessDesc {
+    pub device: DeviceId,
+    pub access: Access,
+}
+
+impl AccessDesc {
+    pub fn read_write(device: DeviceId) -> Self {
+        Self {
+            device,
+            access: Access::ReadWrite,
+        }
+    }
+}
+
+/// The two non-error outcomes of an event query; errors come back as `Err`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventStatus {
+    /// Every piece of work captured by the last record has finished.
+    Complete,
+    /// Some of it is still queued or running.
+    Pending,
+}

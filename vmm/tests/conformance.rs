@@ -1,0 +1,512 @@
+//! The conformance suite: one set of cases written against `Backend`, run on
+//! the host backend always and on the CUDA backend with `--features gpu-tests`
+//! (which fails, not skips, when no CUDA device can be opened).
+//!
+//! Cases that would poison a CUDA context (a kernel touching memory without
+//! access is a sticky illegal-address error) are host-only, at the bottom.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmm::memory::{Chunk, Mapping, Reservation};
+use vmm::{AccessDesc, Backend, DeviceId, ErrorKind, EventStatus, Result};
+
+const DEV: DeviceId = DeviceId(0);
+/// Long enough that work queued behind it is still pending when checked.
+const DELAY: Duration = Duration::from_millis(300);
+
+fn granularity<B: Backend>(b: &Arc<B>) -> usize {
+    b.granularity(DEV).expect("granularity")
+}
+
+fn read_u32s<B: Backend>(b: &B, s: &B::Stream, at: vmm::DevicePtr, n: usize) -> Vec<u32> {
+    let mut bytes = vec![0u8; n * 4];
+    b.copy_to_host(s, at, &mut bytes).expect("copy_to_host");
+    bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+        .collect()
+}
+
+/// A reservation of `granules` granules with one chunk mapped read-write at
+/// its start.
+struct Fixture<B: Backend> {
+    reservation: Arc<Reservation<B>>,
+    chunk: Arc<Chunk<B>>,
+    mapping: Mapping<B>,
+}
+
+fn fixture<B: Backend>(b: &Arc<B>, granules: usize) -> Fixture<B> {
+    let g = granularity(b);
+    let reservation = Reservation::new(b, granules * g, 0).expect("reserve");
+    let chunk = Chunk::new(b, DEV, g).expect("create chunk");
+    let mapping = Mapping::new(&reservation, 0, &chunk).expect("map");
+    mapping
+        .set_access(&[AccessDesc::read_write(DEV)])
+        .expect("set access");
+    Fixture {
+        reservation,
+        chunk,
+        mapping,
+    }
+}
+
+fn assert_kind<T: std::fmt::Debug>(result: Result<T>, kind: ErrorKind) {
+    match result {
+        Err(e) => assert_eq!(e.kind(), kind, "wrong kind of error: {e}"),
+        Ok(v) => panic!("expected a {kind} error, got Ok({v:?})"),
+    }
+}
+
+// ---- devices ---------------------------------------------------------------
+
+pub fn devices_and_granularity<B: Backend>(b: &Arc<B>) {
+    assert!(b.device_count().unwrap() >= 1);
+    let g = granularity(b);
+    assert!(g.is_power_of_two() && g >= 4096, "granularity {g}");
+    let info = b.mem_info(DEV).unwrap();
+    assert!(info.total > 0 && info.free <= info.total, "{info:?}");
+    let missing = DeviceId(b.device_count().unwrap());
+    assert_kind(b.granularity(missing), ErrorKind::InvalidDevice);
+    assert_kind(b.create_chunk(missing, g), ErrorKind::InvalidDevice);
+    assert_kind(b.create_stream(missing).map(drop), ErrorKind::InvalidDevice);
+}
+
+// ---- address space ---------------------------------------------------------
+
+pub fn reserve_alignment<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let r = Reservation::new(b, 8 * g, 0).unwrap();
+    assert!(r.base().is_aligned(g), "{:?} not aligned to {g}", r.base());
+    let big = 512 * g; // 1 GiB with 2 MiB granules
+    let r = Reservation::new(b, g, big).unwrap();
+    assert!(
+        r.base().is_aligned(big),
+        "{:?} not aligned to {big}",
+        r.base()
+    );
+    assert_kind(b.reserve(0, 0), ErrorKind::InvalidArgument);
+    assert_kind(b.reserve(g + 4096, 0), ErrorKind::InvalidArgument);
+}
+
+pub fn free_reservation_errors<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let base = b.reserve(4 * g, 0).unwrap();
+    assert_kind(b.free_reservation(base, 2 * g), ErrorKind::InvalidArgument);
+    b.free_reservation(base, 4 * g).unwrap();
+    assert_kind(b.free_reservation(base, 4 * g), ErrorKind::InvalidArgument);
+}
+
+// ---- chunks ----------------------------------------------------------------
+
+pub fn chunk_errors<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    assert_kind(b.create_chunk(DEV, 0), ErrorKind::InvalidArgument);
+    assert_kind(b.create_chunk(DEV, g / 2), ErrorKind::InvalidArgument);
+    let h = b.create_chunk(DEV, 2 * g).unwrap();
+    b.release_chunk(h).unwrap();
+    assert_kind(b.release_chunk(h), ErrorKind::InvalidArgument);
+}
+
+pub fn out_of_memory<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let total = b.mem_info(DEV).unwrap().total;
+    let too_big = total.next_multiple_of(g) + g;
+    assert_kind(b.create_chunk(DEV, too_big), ErrorKind::OutOfMemory);
+    // Nothing was left behind: a normal chunk still works.
+    drop(Chunk::new(b, DEV, g).unwrap());
+}
+
+// ---- mappings --------------------------------------------------------------
+
+pub fn map_errors<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let f = fixture(b, 4);
+    let base = f.reservation.base();
+    let h = f.chunk.handle();
+    // Misaligned address.
+    assert_kind(
+        b.map(base.byte_add(g + 4096), h),
+        ErrorKind::InvalidArgument,
+    );
+    // Over an existing mapping.
+    assert!(b.map(base, h).is_err());
+    // Straddling the end of the reservation.
+    let two = Chunk::new(b, DEV, 2 * g).unwrap();
+    assert_kind(
+        b.map(base.byte_add(3 * g), two.handle()),
+        ErrorKind::InvalidArgument,
+    );
+    // Outside the reservation, through the owner.
+    assert_kind(
+        Mapping::new(&f.reservation, 4 * g, &f.chunk).map(drop),
+        ErrorKind::InvalidArgument,
+    );
+    // A released handle.
+    let gone = b.create_chunk(DEV, g).unwrap();
+    b.release_chunk(gone).unwrap();
+    assert_kind(b.map(base.byte_add(g), gone), ErrorKind::InvalidArgument);
+    // A failed map leaves the range free: mapping it now works.
+    let m = Mapping::new(&f.reservation, 2 * g, &two).unwrap();
+    drop(m);
+}
+
+pub fn double_unmap<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let f = fixture(b, 2);
+    let va = f.reservation.base().byte_add(g);
+    b.map(va, f.chunk.handle()).unwrap();
+    b.unmap(va, g).unwrap();
+    assert!(b.unmap(va, g).is_err(), "second unmap succeeded");
+    // A range that was never mapped.
+    assert!(b.unmap(f.reservation.base().byte_add(g), g).is_err());
+    drop(f);
+}
+
+pub fn set_access_errors<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let f = fixture(b, 2);
+    // The second granule is reserved but not mapped.
+    assert!(b
+        .set_access(
+            f.reservation.base().byte_add(g),
+            g,
+            &[AccessDesc::read_write(DEV)]
+        )
+        .is_err());
+    assert_kind(
+        f.mapping
+            .set_access(&[AccessDesc::read_write(DeviceId(999))]),
+        ErrorKind::InvalidDevice,
+    );
+}
+
+pub fn remap_keeps_data<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let f = fixture(b, 4);
+    let words = g / 4;
+    b.fill_u32(&s, f.mapping.va(), words, 0xC0FFEE01).unwrap();
+    b.synchronize_stream(&s).unwrap();
+    let chunk = f.mapping.unmap().map_err(|(e, _)| e).unwrap();
+    // The same chunk, two granules further on.
+    let moved = Mapping::new(&f.reservation, 2 * g, &chunk).unwrap();
+    moved.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    let back = read_u32s(&**b, &s, moved.va(), words);
+    assert!(back.iter().all(|&w| w == 0xC0FFEE01), "data lost in remap");
+}
+
+pub fn two_mappings_share_data<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let f = fixture(b, 4);
+    let second = Mapping::new(&f.reservation, 3 * g, &f.chunk).unwrap();
+    second.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    b.fill_u32(&s, f.mapping.va().byte_add(4096), 16, 0xAB)
+        .unwrap();
+    b.fill_u32(&s, second.va().byte_add(8192), 16, 0xCD)
+        .unwrap();
+    assert_eq!(
+        read_u32s(&**b, &s, second.va().byte_add(4096), 16),
+        vec![0xAB; 16]
+    );
+    assert_eq!(
+        read_u32s(&**b, &s, f.mapping.va().byte_add(8192), 16),
+        vec![0xCD; 16]
+    );
+}
+
+pub fn multi_granule_chunk<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let r = Reservation::new(b, 8 * g, 0).unwrap();
+    let chunk = Chunk::new(b, DEV, 3 * g).unwrap();
+    let low = Mapping::new(&r, 0, &chunk).unwrap();
+    let high = Mapping::new(&r, 4 * g, &chunk).unwrap();
+    for m in [&low, &high] {
+        m.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    }
+    // Across a granule boundary, written through one, read through the other.
+    let at = 2 * g - 64;
+    b.fill_u32(&s, high.va().byte_add(at), 32, 0x5EC0D).unwrap();
+    assert_eq!(
+        read_u32s(&**b, &s, low.va().byte_add(at), 32),
+        vec![0x5EC0D; 32]
+    );
+    // Unmapping a part of a mapping is refused.
+    assert!(b.unmap(low.va(), g).is_err());
+}
+
+pub fn owners_keep_teardown_order<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let Fixture {
+        reservation,
+        chunk,
+        mapping,
+    } = fixture(b, 1);
+    // The mapping alone now keeps the chunk and the range alive.
+    drop(reservation);
+    drop(chunk);
+    b.fill_u32(&s, mapping.va(), 8, 7).unwrap();
+    assert_eq!(read_u32s(&**b, &s, mapping.va(), 8), vec![7; 8]);
+    assert_eq!(mapping.size(), g);
+    drop(mapping);
+}
+
+// ---- streams and events ----------------------------------------------------
+
+pub fn stream_order<B: Backend>(b: &Arc<B>) {
+    let s = b.create_stream(DEV).unwrap();
+    let f = fixture(b, 1);
+    let va = f.mapping.va();
+    b.delay(&s, DELAY).unwrap();
+    for value in 1..=50u32 {
+        b.fill_u32(&s, va, 1024, value).unwrap();
+    }
+    assert_eq!(read_u32s(&**b, &s, va, 1024), vec![50; 1024]);
+}
+
+pub fn delay_holds_stream<B: Backend>(b: &Arc<B>) {
+    let s = b.create_stream(DEV).unwrap();
+    let start = Instant::now();
+    b.delay(&s, DELAY).unwrap();
+    let queued = start.elapsed();
+    b.synchronize_stream(&s).unwrap();
+    let total = start.elapsed();
+    assert!(
+        queued < DELAY / 3,
+        "delay blocked the caller for {queued:?}"
+    );
+    assert!(total >= DELAY, "stream was busy only {total:?}");
+}
+
+pub fn event_query<B: Backend>(b: &Arc<B>) {
+    let s = b.create_stream(DEV).unwrap();
+    let e = b.create_event(DEV).unwrap();
+    assert_eq!(
+        b.query_event(&e).unwrap(),
+        EventStatus::Complete,
+        "never recorded"
+    );
+    b.delay(&s, DELAY).unwrap();
+    b.record_event(&e, &s).unwrap();
+    assert_eq!(b.query_event(&e).unwrap(), EventStatus::Pending);
+    b.synchronize_event(&e).unwrap();
+    assert_eq!(b.query_event(&e).unwrap(), EventStatus::Complete);
+    // Re-recording captures only the new work.
+    b.record_event(&e, &s).unwrap();
+    b.synchronize_stream(&s).unwrap();
+    assert_eq!(b.query_event(&e).unwrap(), EventStatus::Complete);
+}
+
+pub fn wait_across_streams<B: Backend>(b: &Arc<B>) {
+    let (s1, s2) = (b.create_stream(DEV).unwrap(), b.create_stream(DEV).unwrap());
+    let f = fixture(b, 1);
+    let va = f.mapping.va();
+    b.fill_u32(&s1, va, 256, 1).unwrap();
+    b.synchronize_stream(&s1).unwrap();
+    let e = b.create_event(DEV).unwrap();
+    b.delay(&s1, DELAY).unwrap();
+    b.fill_u32(&s1, va, 256, 2).unwrap();
+    b.record_event(&e, &s1).unwrap();
+    b.stream_wait_event(&s2, &e).unwrap();
+    let after = b.create_event(DEV).unwrap();
+    b.record_event(&after, &s2).unwrap();
+    assert_eq!(
+        b.query_event(&after).unwrap(),
+        EventStatus::Pending,
+        "s2 did not wait"
+    );
+    // s2 reads only after s1's late write.
+    assert_eq!(read_u32s(&**b, &s2, va, 256), vec![2; 256]);
+}
+
+pub fn chain_of_three_streams<B: Backend>(b: &Arc<B>) {
+    let s: Vec<_> = (0..3).map(|_| b.create_stream(DEV).unwrap()).collect();
+    let e: Vec<_> = (0..2).map(|_| b.create_event(DEV).unwrap()).collect();
+    let f = fixture(b, 1);
+    let va = f.mapping.va();
+    b.delay(&s[0], DELAY).unwrap();
+    b.fill_u32(&s[0], va, 64, 0xA).unwrap();
+    b.record_event(&e[0], &s[0]).unwrap();
+    b.stream_wait_event(&s[1], &e[0]).unwrap();
+    b.fill_u32(&s[1], va.byte_add(256), 64, 0xB).unwrap();
+    b.record_event(&e[1], &s[1]).unwrap();
+    b.stream_wait_event(&s[2], &e[1]).unwrap();
+    let last = b.create_event(DEV).unwrap();
+    b.record_event(&last, &s[2]).unwrap();
+    assert_eq!(b.query_event(&last).unwrap(), EventStatus::Pending);
+    let words = read_u32s(&**b, &s[2], va, 128);
+    assert_eq!(&words[..64], &[0xA; 64][..]);
+    assert_eq!(&words[64..], &[0xB; 64][..]);
+}
+
+pub fn wait_captures_record_at_call_time<B: Backend>(b: &Arc<B>) {
+    let (s1, s2) = (b.create_stream(DEV).unwrap(), b.create_stream(DEV).unwrap());
+    let e = b.create_event(DEV).unwrap();
+    b.record_event(&e, &s1).unwrap();
+    b.synchronize_stream(&s1).unwrap();
+    // The wait takes the (complete) record; a later record does not hold s2.
+    b.stream_wait_event(&s2, &e).unwrap();
+    b.delay(&s1, DELAY).unwrap();
+    b.record_event(&e, &s1).unwrap();
+    let start = Instant::now();
+    b.synchronize_stream(&s2).unwrap();
+    assert!(start.elapsed() < DELAY / 2, "s2 waited for a later record");
+    b.synchronize_event(&e).unwrap();
+}
+
+macro_rules! cases {
+    ($m:ident, $backend:ident) => {
+        $m!(
+            $backend,
+            [
+                devices_and_granularity,
+                reserve_alignment,
+                free_reservation_errors,
+                chunk_errors,
+                out_of_memory,
+                map_errors,
+                double_unmap,
+                set_access_errors,
+                remap_keeps_data,
+                two_mappings_share_data,
+                multi_granule_chunk,
+                owners_keep_teardown_order,
+                stream_order,
+                delay_holds_stream,
+                event_query,
+                wait_across_streams,
+                chain_of_three_streams,
+                wait_captures_record_at_call_time
+            ]
+        );
+    };
+}
+
+macro_rules! suite {
+    ($backend:ident, [$($case:ident),*]) => {
+        mod $backend {
+            $(
+                #[test]
+                fn $case() {
+                    super::$case(&super::open::$backend());
+                }
+            )*
+        }
+    };
+}
+
+mod open {
+    use std::sync::Arc;
+
+    /// A fresh small machine per test, so out-of-memory is deterministic.
+    pub fn host() -> Arc<vmm::host::Host> {
+        vmm::host::Host::new(vmm::host::HostConfig {
+            devices: 2,
+            memory_per_device: 256 << 20,
+            granularity: 2 << 20,
+        })
+        .expect("host backend")
+    }
+
+    #[cfg(feature = "gpu-tests")]
+    pub fn cuda() -> Arc<vmm::cuda::Cuda> {
+        use std::sync::OnceLock;
+        static CUDA: OnceLock<Arc<vmm::cuda::Cuda>> = OnceLock::new();
+        Arc::clone(CUDA.get_or_init(|| {
+            vmm::cuda::Cuda::new().unwrap_or_else(|e| {
+                panic!("the gpu-tests feature is on, but no CUDA device could be opened: {e}")
+            })
+        }))
+    }
+}
+
+cases!(suite, host);
+#[cfg(feature = "gpu-tests")]
+cases!(suite, cuda);
+
+// ---- host only: faults that would poison a CUDA context ---------------------
+
+mod host_faults {
+    use super::*;
+
+    #[test]
+    fn access_without_permission_faults_the_stream() {
+        let b = open::host();
+        let g = granularity(&b);
+        let r = Reservation::new(&b, g, 0).unwrap();
+        let c = Chunk::new(&b, DEV, g).unwrap();
+        let m = Mapping::new(&r, 0, &c).unwrap();
+        let s = b.create_stream(DEV).unwrap();
+        b.fill_u32(&s, m.va(), 4, 1).unwrap();
+        assert_kind(b.synchronize_stream(&s), ErrorKind::StreamFault);
+        // Sticky: later work on the stream fails too, and events report it.
+        let e = b.create_event(DEV).unwrap();
+        b.record_event(&e, &s).unwrap();
+        assert_kind(b.synchronize_event(&e), ErrorKind::StreamFault);
+        assert_kind(b.query_event(&e), ErrorKind::StreamFault);
+    }
+
+    #[test]
+    fn access_is_per_device() {
+        let b = open::host();
+        let g = granularity(&b);
+        let f = fixture(&b, 1);
+        let other = b.create_stream(DeviceId(1)).unwrap();
+        let mut word = [0u8; 4];
+        assert_kind(
+            b.copy_to_host(&other, f.mapping.va(), &mut word),
+            ErrorKind::StreamFault,
+        );
+        let peer = b.create_stream(DeviceId(1)).unwrap();
+        f.mapping
+            .set_access(&[vmm::AccessDesc {
+                device: DeviceId(1),
+                access: vmm::Access::Read,
+            }])
+            .unwrap();
+        b.copy_to_host(&peer, f.mapping.va(), &mut word).unwrap();
+        b.fill_u32(&peer, f.mapping.va(), 1, 9).unwrap();
+        assert_kind(b.synchronize_stream(&peer), ErrorKind::StreamFault);
+        assert_eq!(g, f.mapping.size());
+    }
+
+    #[test]
+    fn unmapped_memory_faults_instead_of_crashing() {
+        let b = open::host();
+        let f = fixture(&b, 2);
+        let s = b.create_stream(DEV).unwrap();
+        let beyond = f.mapping.va().byte_add(f.mapping.size());
+        let mut buf = [0u8; 8];
+        assert_kind(b.copy_to_host(&s, beyond, &mut buf), ErrorKind::StreamFault);
+    }
+
+    #[test]
+    fn out_of_memory_at_the_configured_size() {
+        let b = open::host();
+        let g = granularity(&b);
+        let fits = (256 << 20) / g;
+        let chunks: Vec<_> = (0..fits).map(|_| Chunk::new(&b, DEV, g).unwrap()).collect();
+        assert_eq!(b.mem_info(DEV).unwrap().free, 0);
+        assert_kind(b.create_chunk(DEV, g), ErrorKind::OutOfMemory);
+        // The other device is untouched.
+        assert_eq!(b.mem_info(DeviceId(1)).unwrap().free, 256 << 20);
+        drop(chunks);
+        assert_eq!(b.mem_info(DEV).unwrap().free, 256 << 20);
+    }
+
+    #[test]
+    fn released_chunk_lives_until_unmapped() {
+        let b = open::host();
+        let g = granularity(&b);
+        let r = Reservation::new(&b, g, 0).unwrap();
+        let h = b.create_chunk(DEV, g).unwrap();
+        b.map(r.base(), h).unwrap();
+        b.release_chunk(h).unwrap();
+        assert_eq!(b.mem_info(DEV).unwrap().free, (256 << 20) - g);
+        b.unmap(r.base(), g).unwrap();
+        assert_eq!(b.mem_info(DEV).unwrap().free, 256 << 20);
+    }
+}
