@@ -101,6 +101,11 @@ impl DeviceContext {
         self.ordinal
     }
 
+    /// The driver's handle of the device.
+    pub(super) fn device(&self) -> sys::CUdevice {
+        self.device
+    }
+
     /// Minimum granularity of pinned memory on this device.
     pub(super) fn granularity(&self) -> usize {
         self.granularity

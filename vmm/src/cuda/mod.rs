@@ -5,6 +5,7 @@
 //!   Cuda (this file)        the Backend: checks every call against its own
 //!      │                    tables, binds contexts, owns streams and events
 //!   context.rs              a device's primary context and its delay kernel
+//!   peers.rs                CUDA's own allocators, to benchmark against
 //!   result.rs               one checked function per driver call:
 //!      │                    CUresult -> crate::Result, `# Safety` on each
 //!   cudarc::driver::sys     raw bindings, resolved from libcuda by dlopen
@@ -37,6 +38,7 @@
 //! cannot race a check against a release.
 
 mod context;
+pub mod peers;
 mod result;
 
 use std::collections::{BTreeMap, HashMap};
@@ -264,6 +266,18 @@ impl Drop for Cuda {
 pub struct CudaStream {
     stream: sys::CUstream,
     context: Arc<DeviceContext>,
+}
+
+impl CudaStream {
+    /// The driver's handle, live until `self` is dropped.
+    pub(crate) fn raw(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    /// The context the stream was created in.
+    fn context(&self) -> &DeviceContext {
+        &self.context
+    }
 }
 
 // SAFETY: a CUstream is a driver handle that the driver API lets any thread

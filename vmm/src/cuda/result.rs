@@ -544,3 +544,134 @@ pub(crate) unsafe fn launch_single_thread(
         )
     })
 }
+
+// ---- CUDA's own allocators, for side-by-side benchmarks (see `super::peers`) ----
+
+/// `cuDeviceGetDefaultMemPool`: the pool that stream-ordered allocations on
+/// `device` come from unless `cuDeviceSetMemPool` chose another. The driver
+/// owns it; it is never destroyed.
+pub(crate) fn device_get_default_mem_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool = ptr::null_mut();
+    // SAFETY: `pool` is a valid place for the handle; an invalid `device`, or
+    // one without memory pools, is an error.
+    check("cuDeviceGetDefaultMemPool", unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, device)
+    })?;
+    Ok(pool)
+}
+
+/// `cuMemPoolSetAttribute` of an attribute whose value is a `cuuint64_t`
+/// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, or one of the `*_MEM_HIGH` marks,
+/// which only accept 0).
+///
+/// # Safety
+/// 1. `pool` is a pool from [`device_get_default_mem_pool`].
+/// 2. `attr` takes a `cuuint64_t`, so the driver reads exactly the 8 bytes
+///    passed.
+pub(crate) unsafe fn mem_pool_set_attribute_u64(
+    pool: sys::CUmemoryPool,
+    attr: sys::CUmemPool_attribute,
+    value: u64,
+) -> Result<()> {
+    let mut value = value;
+    // SAFETY: `value` is a live u64 for the call, which the driver only
+    // reads; the caller upholds 1 and 2.
+    check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(pool, attr, ptr::from_mut(&mut value).cast())
+    })
+}
+
+/// `cuMemPoolGetAttribute` of an attribute whose value is a `cuuint64_t`
+/// (the release threshold and the `*_MEM_CURRENT` / `*_MEM_HIGH` counters).
+///
+/// # Safety
+/// 1. `pool` is a pool from [`device_get_default_mem_pool`].
+/// 2. `attr` takes a `cuuint64_t`, so the driver writes exactly the 8 bytes
+///    of the value.
+pub(crate) unsafe fn mem_pool_get_attribute_u64(
+    pool: sys::CUmemoryPool,
+    attr: sys::CUmemPool_attribute,
+) -> Result<u64> {
+    let mut value = 0u64;
+    // SAFETY: `value` is a valid place for a u64 for the call; the caller
+    // upholds 1 and 2.
+    check("cuMemPoolGetAttribute", unsafe {
+        sys::cuMemPoolGetAttribute(pool, attr, ptr::from_mut(&mut value).cast())
+    })?;
+    Ok(value)
+}
+
+/// `cuMemPoolTrimTo`: gives memory the pool holds but nobody uses back to
+/// the device until at most `keep` bytes stay reserved (or nothing more can
+/// be released: memory backing live allocations, or frees still queued on a
+/// stream, stays).
+///
+/// # Safety
+/// 1. `pool` is a pool from [`device_get_default_mem_pool`].
+pub(crate) unsafe fn mem_pool_trim_to(pool: sys::CUmemoryPool, keep: usize) -> Result<()> {
+    // SAFETY: the caller upholds 1; the driver never releases memory that
+    // backs a live allocation.
+    check("cuMemPoolTrimTo", unsafe {
+        sys::cuMemPoolTrimTo(pool, keep)
+    })
+}
+
+/// `cuMemAllocAsync`: queues an allocation of `size` bytes on `stream`, from
+/// the current pool of the stream's device. The address is returned at once;
+/// the memory may be used by work queued on `stream` after this call (or
+/// ordered after it).
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+pub(crate) unsafe fn mem_alloc_async(
+    size: usize,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: `ptr` is a valid place for the address; the caller upholds 1.
+    check("cuMemAllocAsync", unsafe {
+        sys::cuMemAllocAsync(&mut ptr, size, stream)
+    })?;
+    Ok(ptr)
+}
+
+/// `cuMemFreeAsync`: queues the free of `ptr` on `stream`; the memory goes
+/// back to its pool once the work queued before it on `stream` has run.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+/// 2. `ptr` is an address from [`mem_alloc_async`], not freed yet and not
+///    freed or used again after this call.
+/// 3. Work on other streams that uses the memory is ordered before the free
+///    (through events); otherwise it may touch memory the pool has handed
+///    out again (device memory: this corrupts or faults device work, never
+///    host memory).
+pub(crate) unsafe fn mem_free_async(ptr: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller upholds 1 to 3.
+    check("cuMemFreeAsync", unsafe {
+        sys::cuMemFreeAsync(ptr, stream)
+    })
+}
+
+/// `cuMemAlloc_v2`: `size` bytes of device memory in the current context.
+pub(crate) fn mem_alloc(size: usize) -> Result<sys::CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: `ptr` is a valid place for the address; a fresh allocation
+    // touches no existing memory, and without a current context the driver
+    // returns an error.
+    check("cuMemAlloc_v2", unsafe {
+        sys::cuMemAlloc_v2(&mut ptr, size)
+    })?;
+    Ok(ptr)
+}
+
+/// `cuMemFree_v2`.
+///
+/// # Safety
+/// 1. `ptr` is an address from [`mem_alloc`], not freed yet and not freed or
+///    used again after this call.
+/// 2. No queued or running work still accesses it.
+pub(crate) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller upholds 1 and 2.
+    check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr) })
+}
