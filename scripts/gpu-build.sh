@@ -12,10 +12,10 @@ cd "$(dirname "$0")/.."
 
 bundle=gpu-bundle
 rm -rf "$bundle"
-mkdir -p "$bundle/tests" "$bundle/bin"
+mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/bin" "$bundle/traces"
 
 # Test binaries, with the GPU cases switched on.
-cargo test --workspace --release --features vmm/gpu-tests --no-run --message-format=json 2>/dev/null |
+cargo test --workspace --release --features gpu-tests --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -26,17 +26,24 @@ for line in sys.stdin:
     cp "$exe" "$bundle/tests/$name"
 done
 
-# Examples.
-cargo build --workspace --release --examples
+# Examples and command-line tools.
+cargo build --workspace --release --examples --bins
 for src in examples/*.rs; do
     name=$(basename "$src" .rs)
-    cp "target/release/examples/$name" "$bundle/bin/$name"
+    cp "target/release/examples/$name" "$bundle/examples/$name"
 done
+for src in src/bin/*.rs; do
+    name=$(basename "$src" .rs)
+    cp "target/release/$name" "$bundle/bin/$name"
+done
+
+# The shared traces, for the replay job.
+cp ../shared/traces/*.trace.gz "$bundle/traces/"
 
 cp scripts/gpu-run.sh "$bundle/"
 {
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) with $(rustc --version)"
 } >"$bundle/BUILD"
-ls -l "$bundle/tests" "$bundle/bin"
+ls -l "$bundle"/*/
 du -sh "$bundle"

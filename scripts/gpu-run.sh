@@ -3,11 +3,16 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [NAME ...]   NAME: test or example to run (default: all)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [replay]   (default: all three)
+#
+# replay: every bundled trace through vmpool-replay on the CUDA backend, with
+# CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
+# REPLAY_CHUNK_SIZES (bytes; default 2 MiB and 32 MiB).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 log=${OUT:-$PWD}/gpu-run.log
 : >"$log"
+status=0
 
 header() {
     echo "# $1"
@@ -18,11 +23,12 @@ header() {
     echo
 }
 
-# run TITLE COMMAND-AS-SHOWN PROGRAM [ARGS...]
+# run TITLE PROGRAM [ARGS...]: the command as shown is the program's path
+# inside the bundle with its arguments.
 run() {
-    local title=$1 shown=$2
-    shift 2
-    header "$title" "$shown" | tee -a "$log"
+    local title=$1
+    shift
+    header "$title" "${*/#$here/gpu-bundle}" | tee -a "$log"
     "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     echo "exit: $rc" | tee -a "$log"
@@ -30,19 +36,33 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
-wanted() { [[ " $WANT " == *" $1 "* ]]; }
-WANT="$*"
-status=0
-for exe in "$here"/tests/*; do
-    name=$(basename "$exe")
-    [ -z "$WANT" ] || wanted "$name" || continue
-    cmd="gpu-bundle/tests/$name --test-threads=4"
-    run "test $name" "$cmd" "$exe" --test-threads=4
-done
-for exe in "$here"/bin/*; do
-    name=$(basename "$exe")
-    [ -z "$WANT" ] || wanted "$name" || continue
-    cmd="gpu-bundle/bin/$name"
-    run "example $name" "$cmd" "$exe"
+jobs=${*:-tests examples replay}
+for job in $jobs; do
+    case $job in
+    tests)
+        for exe in "$here"/tests/*; do
+            run "test $(basename "$exe")" "$exe" --test-threads=4
+        done
+        ;;
+    examples)
+        for exe in "$here"/examples/*; do
+            run "example $(basename "$exe")" "$exe"
+        done
+        ;;
+    replay)
+        for trace in "$here"/traces/*; do
+            for allocator in cuda-async cuda-malloc; do
+                run "replay $(basename "$trace") $allocator" "$here/bin/vmpool-replay" --backend cuda --allocator "$allocator" "$trace"
+            done
+            for size in ${REPLAY_CHUNK_SIZES:-2097152 33554432}; do
+                run "replay $(basename "$trace") vmpool chunk $size" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" "$trace"
+            done
+        done
+        ;;
+    *)
+        echo "unknown job $job" >&2
+        exit 2
+        ;;
+    esac
 done
 exit $status

@@ -1,8 +1,18 @@
 //! vmpool: a defragmenting, stream-ordered GPU memory allocator.
 //!
-//! The allocator is safe Rust over the driver layer [`vmm`], where all
-//! `unsafe` code lives; it is being built. Today this crate re-exports
-//! [`vmm`].
+//! The allocator is safe Rust: it does address arithmetic and bookkeeping
+//! over the driver layer [`vmm`], where all `unsafe` code lives. An
+//! allocator whose bookkeeping cannot corrupt memory is easier to trust.
 #![deny(unsafe_code)]
 
+mod context;
+mod error;
+mod heap;
+mod plan;
+mod pool;
+pub mod trace;
+
+pub use context::Context;
+pub use error::{Error, Result};
+pub use pool::{Allocation, Pool, PoolAttribute, PoolProps, PoolStats, SMALL_LIMIT};
 pub use vmm;

@@ -19,6 +19,7 @@
 mod backend;
 pub mod cuda;
 mod error;
+pub mod faulty;
 pub mod host;
 pub mod memory;
 mod types;

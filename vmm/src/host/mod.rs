@@ -58,6 +58,15 @@ impl Default for HostConfig {
     }
 }
 
+/// Objects alive in a host backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Census {
+    pub reservations: usize,
+    /// Chunks whose memory still exists (released handles still mapped count).
+    pub chunks: usize,
+    pub mappings: usize,
+}
+
 pub struct Host {
     config: HostConfig,
     memory: Arc<Memory>,
@@ -90,6 +99,16 @@ impl Host {
 
     pub fn config(&self) -> &HostConfig {
         &self.config
+    }
+
+    /// What the backend holds right now, to check that nothing leaked.
+    pub fn census(&self) -> Census {
+        let tables = self.memory.tables();
+        Census {
+            reservations: tables.reservations.len(),
+            chunks: tables.chunks.len(),
+            mappings: tables.mappings.len(),
+        }
     }
 
     fn check_device(&self, call: &'static str, device: DeviceId) -> Result<()> {

@@ -1,0 +1,289 @@
+//! Replays an allocation trace and reports footprint and speed.
+//!
+//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc] [--json] TRACE
+//!
+//! Footprint is peak reserved bytes over peak live bytes (1.0 is the
+//! floor). Speed is the wall time of the replay loop over the number of
+//! operations; parsing is done before the clock starts. Peak reserved is
+//! each allocator's own figure: vmpool's and the CUDA pool's reserved-high
+//! attribute; for plain cuMemAlloc, the device's used memory (from
+//! cuMemGetInfo after each allocation, outside the timed calls) over what
+//! it was before the replay.
+
+use std::fs::File;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use vmpool::trace::{Trace, TraceOp};
+use vmpool::vmm::{self, Backend, DeviceId};
+use vmpool::{Context, PoolAttribute, PoolProps};
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    Host,
+    Cuda,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AllocatorKind {
+    Vmpool,
+    /// CUDA's stream-ordered pool (cuMemAllocAsync), release threshold max.
+    CudaAsync,
+    /// Plain cuMemAlloc / cuMemFree.
+    CudaMalloc,
+}
+
+#[derive(Parser)]
+#[command(about = "Replay an allocation trace; report footprint and speed")]
+struct Args {
+    #[arg(long, value_enum, default_value = "host")]
+    backend: BackendKind,
+    #[arg(long, value_enum, default_value = "vmpool")]
+    allocator: AllocatorKind,
+    /// Chunk size for growth, bytes (default: the granularity).
+    #[arg(long)]
+    chunk_size: Option<u64>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    trace: PathBuf,
+}
+
+#[derive(Default)]
+struct Report {
+    peak_reserved: u64,
+    ops: u64,
+    nanos: u128,
+    remaps: u64,
+    bytes_remapped: u64,
+    chunks_created: u64,
+    chunks_released: u64,
+    grows: u64,
+    maps: u64,
+}
+
+fn progress(ops: usize) -> ProgressBar {
+    if std::io::stderr().is_terminal() {
+        ProgressBar::new(ops as u64).with_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} ops {elapsed}")
+                .expect("valid template"),
+        )
+    } else {
+        ProgressBar::hidden()
+    }
+}
+
+/// Replays on a vmpool pool of the given backend.
+fn replay_vmpool<B: Backend>(
+    backend: Arc<B>,
+    trace: &Trace,
+    chunk_size: Option<u64>,
+) -> Result<Report> {
+    let ctx = Context::new(backend)?;
+    let pool = ctx.create_pool(&PoolProps {
+        chunk_size,
+        ..PoolProps::new(DeviceId(0))
+    })?;
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
+    let mut live: Vec<Option<vmpool::Allocation>> = Vec::with_capacity(trace.slots);
+    live.resize_with(trace.slots, || None);
+    let bar = progress(trace.ops.len());
+    let start = Instant::now();
+    for (i, op) in trace.ops.iter().enumerate() {
+        match *op {
+            TraceOp::Alloc { slot, size, .. } => live[slot] = Some(pool.allocate(size)?),
+            TraceOp::Free { slot, .. } => {
+                pool.free(live[slot].take().expect("trace frees a live id"))?
+            }
+        }
+        if i % 4096 == 0 {
+            bar.set_position(i as u64);
+        }
+    }
+    let nanos = start.elapsed().as_nanos();
+    bar.finish_and_clear();
+    let stats = pool.stats();
+    pool.audit().map_err(anyhow::Error::msg)?;
+    for a in live.into_iter().flatten() {
+        pool.free(a)?;
+    }
+    Ok(Report {
+        peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
+        ops: trace.ops.len() as u64,
+        nanos,
+        remaps: stats.remaps,
+        bytes_remapped: stats.bytes_remapped,
+        chunks_created: stats.chunks_created,
+        chunks_released: stats.chunks_released,
+        grows: stats.grows,
+        maps: stats.maps,
+    })
+}
+
+/// Replays on CUDA's stream-ordered pool, release threshold max, one stream.
+fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Report> {
+    let pool = vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?;
+    let stream = cuda.create_stream(DeviceId(0))?;
+    let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> = Vec::with_capacity(trace.slots);
+    live.resize_with(trace.slots, || None);
+    let bar = progress(trace.ops.len());
+    let start = Instant::now();
+    for (i, op) in trace.ops.iter().enumerate() {
+        match *op {
+            TraceOp::Alloc { slot, size, .. } => {
+                live[slot] = Some(pool.alloc(size as usize, &stream)?)
+            }
+            TraceOp::Free { slot, .. } => {
+                pool.free(live[slot].take().expect("trace frees a live id"), &stream)?
+            }
+        }
+        if i % 4096 == 0 {
+            bar.set_position(i as u64);
+        }
+    }
+    let nanos = start.elapsed().as_nanos();
+    bar.finish_and_clear();
+    for a in live.into_iter().flatten() {
+        pool.free(a, &stream)?;
+    }
+    cuda.synchronize_stream(&stream)?;
+    Ok(Report {
+        peak_reserved: pool.reserved_high()?,
+        ops: trace.ops.len() as u64,
+        nanos,
+        ..Report::default()
+    })
+}
+
+/// Replays on plain cuMemAlloc / cuMemFree; each call timed on its own so
+/// that the memory sampling between them stays out of the figure.
+fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Report> {
+    let malloc = vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?;
+    let used = || -> Result<u64> {
+        let m = cuda.mem_info(DeviceId(0))?;
+        Ok((m.total - m.free) as u64)
+    };
+    let baseline = used()?;
+    let mut peak = baseline;
+    let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> = Vec::with_capacity(trace.slots);
+    live.resize_with(trace.slots, || None);
+    let bar = progress(trace.ops.len());
+    let mut nanos = 0u128;
+    for (i, op) in trace.ops.iter().enumerate() {
+        let start = Instant::now();
+        match *op {
+            TraceOp::Alloc { slot, size, .. } => {
+                live[slot] = Some(malloc.alloc(size as usize)?);
+                nanos += start.elapsed().as_nanos();
+                peak = peak.max(used()?);
+            }
+            TraceOp::Free { slot, .. } => {
+                malloc.free(live[slot].take().expect("trace frees a live id"))?;
+                nanos += start.elapsed().as_nanos();
+            }
+        }
+        if i % 4096 == 0 {
+            bar.set_position(i as u64);
+        }
+    }
+    bar.finish_and_clear();
+    for a in live.into_iter().flatten() {
+        malloc.free(a)?;
+    }
+    Ok(Report {
+        peak_reserved: peak - baseline,
+        ops: trace.ops.len() as u64,
+        nanos,
+        ..Report::default()
+    })
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let trace = Trace::read(
+        File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,
+    )
+    .with_context(|| format!("reading {}", args.trace.display()))?;
+    let report = match (args.backend, args.allocator) {
+        (BackendKind::Host, AllocatorKind::Vmpool) => {
+            // A device large enough for the trace: four times its peak.
+            let config = vmm::host::HostConfig {
+                memory_per_device: (4 * trace.peak_live as usize)
+                    .next_multiple_of(2 << 20)
+                    .max(1 << 30),
+                ..vmm::host::HostConfig::default()
+            };
+            replay_vmpool(vmm::host::Host::new(config)?, &trace, args.chunk_size)?
+        }
+        (BackendKind::Cuda, AllocatorKind::Vmpool) => {
+            replay_vmpool(vmm::cuda::Cuda::new()?, &trace, args.chunk_size)?
+        }
+        (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
+            replay_cuda_async(&vmm::cuda::Cuda::new()?, &trace)?
+        }
+        (BackendKind::Cuda, AllocatorKind::CudaMalloc) => {
+            replay_cuda_malloc(&vmm::cuda::Cuda::new()?, &trace)?
+        }
+        (BackendKind::Host, _) => bail!("the CUDA allocators need --backend cuda"),
+    };
+    let ratio = report.peak_reserved as f64 / trace.peak_live as f64;
+    let ns_per_op = report.nanos as f64 / report.ops as f64;
+    let backend = match args.backend {
+        BackendKind::Host => "host",
+        BackendKind::Cuda => "cuda",
+    };
+    let allocator = args
+        .allocator
+        .to_possible_value()
+        .expect("named")
+        .get_name()
+        .to_string();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "trace": args.trace.display().to_string(),
+                "backend": backend,
+                "allocator": allocator,
+                "peak_live_bytes": trace.peak_live,
+                "peak_reserved_bytes": report.peak_reserved,
+                "ratio": ratio,
+                "ops": report.ops,
+                "ns_per_op": ns_per_op,
+                "remaps": report.remaps,
+                "bytes_remapped": report.bytes_remapped,
+                "chunks_created": report.chunks_created,
+                "chunks_released": report.chunks_released,
+                "grows": report.grows,
+                "maps": report.maps,
+            })
+        );
+    } else {
+        println!("trace           {}", args.trace.display());
+        println!("allocator       {allocator} on the {backend} backend");
+        println!("peak live       {:>14} bytes", trace.peak_live);
+        println!("peak reserved   {:>14} bytes", report.peak_reserved);
+        println!("ratio           {ratio:>14.4}");
+        println!("ops             {:>14}", report.ops);
+        println!("ns per op       {ns_per_op:>14.1}");
+        println!(
+            "remaps          {:>14} ({} bytes)",
+            report.remaps, report.bytes_remapped
+        );
+        println!(
+            "chunks          {:>14} created, {} released",
+            report.chunks_created, report.chunks_released
+        );
+        println!("grows / maps    {:>14} / {}", report.grows, report.maps);
+    }
+    Ok(())
+}

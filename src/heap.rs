@@ -1,0 +1,616 @@
+//! The free-space heap: a two-level segregated fit (TLSF) over the pool's
+//! mapped address ranges.
+//!
+//! ```text
+//!   address order:  [used ][free     ][used][free][used    ]   [free   ][used]
+//!                    \______ one mapped region _____________/   \_ another _/
+//!   bins:  fl = log2(size), sl = next 4 bits  ->  free lists, found by bitmap
+//! ```
+//!
+//! Blocks live in a `Vec` and link to their neighbours by index (physical
+//! neighbours in address order, and the free list of their bin), as in
+//! offset-allocator. Allocation and free are O(1): a bitmap search, a split,
+//! a merge with free neighbours. Unlike a fixed-size TLSF, regions come and
+//! go: the pool adds newly mapped ranges ([`Heap::insert_free`]) and takes
+//! free ranges out when it unmaps them ([`Heap::take`]); a range added next
+//! to an existing one joins it, so free space coalesces across mappings.
+//!
+//! Every size and address is a multiple of [`QUANTUM`] (the pool's minimum
+//! alignment), checked at the boundary.
+
+use std::collections::HashMap;
+
+/// Minimum alignment and size unit of every block: 256 bytes, as CUDA's.
+pub const QUANTUM: u64 = 256;
+
+const SL_BITS: u32 = 4;
+const SL_COUNT: usize = 1 << SL_BITS;
+const FL_COUNT: usize = 64 - SL_BITS as usize;
+const NONE: u32 = u32::MAX;
+
+/// Index of a block; stays valid while the block is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockId(u32);
+
+#[derive(Debug, Clone)]
+struct Block {
+    addr: u64,
+    size: u64,
+    free: bool,
+    /// Physical neighbours in address order (NONE at a region edge).
+    prev_phys: u32,
+    next_phys: u32,
+    /// Free-list links within the block's bin (meaningful while free).
+    prev_free: u32,
+    next_free: u32,
+}
+
+/// Bin of a size in quanta: (first level, second level).
+fn bin_of(quanta: u64) -> (usize, usize) {
+    let log = 63 - quanta.leading_zeros();
+    if log < SL_BITS {
+        (0, quanta as usize)
+    } else {
+        let fl = (log - SL_BITS + 1) as usize;
+        let sl = ((quanta >> (log - SL_BITS)) as usize) ^ SL_COUNT;
+        (fl, sl)
+    }
+}
+
+/// The smallest bin all of whose blocks are at least `quanta` long.
+fn bin_at_least(quanta: u64) -> Option<(usize, usize)> {
+    let log = 63 - quanta.leading_zeros();
+    let rounded = if log < SL_BITS {
+        quanta
+    } else {
+        quanta.checked_add((1 << (log - SL_BITS)) - 1)?
+    };
+    Some(bin_of(rounded))
+}
+
+pub struct Heap {
+    blocks: Vec<Block>,
+    unused_slots: Vec<u32>,
+    fl_bitmap: u64,
+    sl_bitmaps: [u32; FL_COUNT],
+    heads: Vec<[u32; SL_COUNT]>,
+    /// Blocks at the start / end of a region, by their start / end address,
+    /// so that a range inserted next to a region can join it.
+    region_starts: HashMap<u64, u32>,
+    region_ends: HashMap<u64, u32>,
+    free_bytes: u64,
+}
+
+impl Heap {
+    pub fn new() -> Self {
+        Self {
+            blocks: Vec::new(),
+            unused_slots: Vec::new(),
+            fl_bitmap: 0,
+            sl_bitmaps: [0; FL_COUNT],
+            heads: vec![[NONE; SL_COUNT]; FL_COUNT],
+            region_starts: HashMap::new(),
+            region_ends: HashMap::new(),
+            free_bytes: 0,
+        }
+    }
+
+    /// Bytes in free blocks.
+    pub fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+
+    /// Address and size of a block.
+    pub fn span(&self, id: BlockId) -> (u64, u64) {
+        let b = &self.blocks[id.0 as usize];
+        (b.addr, b.size)
+    }
+
+    /// Adds [addr, addr + size) as free space, joining any region that ends
+    /// at `addr` or starts at `addr + size`. Returns the free block that now
+    /// holds the range (merged with free neighbours).
+    pub fn insert_free(&mut self, addr: u64, size: u64) -> BlockId {
+        assert!(
+            size > 0 && addr % QUANTUM == 0 && size % QUANTUM == 0,
+            "unaligned range"
+        );
+        let end = addr + size;
+        let prev = self.region_ends.remove(&addr).unwrap_or(NONE);
+        let next = self.region_starts.remove(&end).unwrap_or(NONE);
+        let id = self.new_block(Block {
+            addr,
+            size,
+            free: false,
+            prev_phys: prev,
+            next_phys: next,
+            prev_free: NONE,
+            next_free: NONE,
+        });
+        match prev {
+            NONE => {
+                self.region_starts.insert(addr, id);
+            }
+            p => self.blocks[p as usize].next_phys = id,
+        }
+        match next {
+            NONE => {
+                self.region_ends.insert(end, id);
+            }
+            n => self.blocks[n as usize].prev_phys = id,
+        }
+        BlockId(self.release(id))
+    }
+
+    /// Allocates `size` bytes (a multiple of the quantum): the best block of
+    /// the request's own bin when one fits, else any block of the first bin
+    /// that surely fits, else any fitting block at all. `None` when no free block is large enough.
+    pub fn alloc(&mut self, size: u64) -> Option<(u64, BlockId)> {
+        debug_assert!(size > 0 && size % QUANTUM == 0);
+        let id = self
+            .fit_in_own_bin(size, 8)
+            .or_else(|| self.first_fitting_bin(size))
+            .or_else(|| self.fit_in_own_bin(size, usize::MAX))?;
+        Some((self.blocks[id as usize].addr, BlockId(self.carve(id, size))))
+    }
+
+    /// Allocates `size` bytes at the start of the free block `id`, which
+    /// must be free and large enough.
+    pub fn alloc_from(&mut self, id: BlockId, size: u64) -> (u64, BlockId) {
+        let b = &self.blocks[id.0 as usize];
+        assert!(b.free && b.size >= size, "block cannot hold the request");
+        (b.addr, BlockId(self.carve(id.0, size)))
+    }
+
+    /// Frees an allocated block, merging it with free neighbours; returns
+    /// the free block that now holds it.
+    pub fn free(&mut self, id: BlockId) -> BlockId {
+        assert!(!self.blocks[id.0 as usize].free, "double free of a block");
+        BlockId(self.release(id.0))
+    }
+
+    /// Removes [addr, addr + size) from the free block `id` (which must hold
+    /// all of it): the range leaves the heap, splitting its region in two.
+    pub fn take(&mut self, id: BlockId, addr: u64, size: u64) {
+        let id = id.0;
+        let b = self.blocks[id as usize].clone();
+        let (b_end, end) = (b.addr + b.size, addr + size);
+        assert!(
+            b.free && size > 0 && addr >= b.addr && end <= b_end,
+            "range is not inside the free block"
+        );
+        self.unlink_free(id);
+        self.free_bytes -= b.size;
+        // The free block's neighbours are used (free ones would have been
+        // merged), so the remainders go back without merging.
+        if addr > b.addr {
+            let left = &mut self.blocks[id as usize];
+            left.size = addr - b.addr;
+            left.next_phys = NONE;
+            self.region_ends.insert(addr, id);
+            self.mark_free(id);
+        } else {
+            match b.prev_phys {
+                NONE => {
+                    self.region_starts.remove(&b.addr);
+                }
+                p => {
+                    self.blocks[p as usize].next_phys = NONE;
+                    self.region_ends.insert(addr, p);
+                }
+            }
+            self.unused_slots.push(id);
+        }
+        if end < b_end {
+            let right = self.new_block(Block {
+                addr: end,
+                size: b_end - end,
+                free: false,
+                prev_phys: NONE,
+                next_phys: b.next_phys,
+                prev_free: NONE,
+                next_free: NONE,
+            });
+            self.region_starts.insert(end, right);
+            match b.next_phys {
+                NONE => {
+                    self.region_ends.insert(b_end, right);
+                }
+                n => self.blocks[n as usize].prev_phys = right,
+            }
+            self.mark_free(right);
+        } else {
+            match b.next_phys {
+                NONE => {
+                    self.region_ends.remove(&b_end);
+                }
+                n => {
+                    self.blocks[n as usize].prev_phys = NONE;
+                    self.region_starts.insert(end, n);
+                }
+            }
+        }
+    }
+
+    /// Calls `f(addr, size, id)` for every free block, in no particular order.
+    pub fn for_each_free(&self, mut f: impl FnMut(u64, u64, BlockId)) {
+        let mut fl_bits = self.fl_bitmap;
+        while fl_bits != 0 {
+            let fl = fl_bits.trailing_zeros() as usize;
+            fl_bits &= fl_bits - 1;
+            let mut sl_bits = self.sl_bitmaps[fl];
+            while sl_bits != 0 {
+                let sl = sl_bits.trailing_zeros() as usize;
+                sl_bits &= sl_bits - 1;
+                let mut at = self.heads[fl][sl];
+                while at != NONE {
+                    let b = &self.blocks[at as usize];
+                    f(b.addr, b.size, BlockId(at));
+                    at = b.next_free;
+                }
+            }
+        }
+    }
+
+    /// The largest free block's size (0 when there is none).
+    pub fn largest_free(&self) -> u64 {
+        if self.fl_bitmap == 0 {
+            return 0;
+        }
+        let fl = 63 - self.fl_bitmap.leading_zeros() as usize;
+        let sl = 31 - self.sl_bitmaps[fl].leading_zeros() as usize;
+        let mut best = 0;
+        let mut at = self.heads[fl][sl];
+        while at != NONE {
+            best = best.max(self.blocks[at as usize].size);
+            at = self.blocks[at as usize].next_free;
+        }
+        best
+    }
+
+    /// Every region's end address whose last block is free, with that block.
+    pub fn free_region_tails(&self) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
+        self.region_ends.values().filter_map(|&id| {
+            let b = &self.blocks[id as usize];
+            b.free.then_some((b.addr, b.size, BlockId(id)))
+        })
+    }
+
+    // ---- internals -------------------------------------------------------
+
+    fn new_block(&mut self, block: Block) -> u32 {
+        match self.unused_slots.pop() {
+            Some(slot) => {
+                self.blocks[slot as usize] = block;
+                slot
+            }
+            None => {
+                self.blocks.push(block);
+                u32::try_from(self.blocks.len() - 1).expect("fewer than 2^32 blocks")
+            }
+        }
+    }
+
+    /// The tightest fit among the first `scan` blocks of the request's bin.
+    fn fit_in_own_bin(&self, size: u64, scan: usize) -> Option<u32> {
+        let (fl, sl) = bin_of(size / QUANTUM);
+        let mut at = self.heads[fl][sl];
+        let mut best: Option<(u64, u32)> = None;
+        // Blocks of one bin differ by at most 1/16 of their size: a short
+        // scan usually finds a tight fit, a full one only as a last resort
+        // before the pool would grow.
+        for _ in 0..scan {
+            if at == NONE {
+                break;
+            }
+            let b = &self.blocks[at as usize];
+            if b.size >= size && best.is_none_or(|(s, _)| b.size < s) {
+                best = Some((b.size, at));
+                if b.size == size {
+                    break;
+                }
+            }
+            at = b.next_free;
+        }
+        best.map(|(_, id)| id)
+    }
+
+    fn first_fitting_bin(&self, size: u64) -> Option<u32> {
+        let (fl, sl) = bin_at_least(size / QUANTUM)?;
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let sl_here = self.sl_bitmaps[fl] & (!0u32).checked_shl(sl as u32).unwrap_or(0);
+        let (fl, sl) = if sl_here != 0 {
+            (fl, sl_here.trailing_zeros() as usize)
+        } else {
+            let fl_above = self.fl_bitmap & (!0u64).checked_shl(fl as u32 + 1).unwrap_or(0);
+            if fl_above == 0 {
+                return None;
+            }
+            let fl = fl_above.trailing_zeros() as usize;
+            (fl, self.sl_bitmaps[fl].trailing_zeros() as usize)
+        };
+        Some(self.heads[fl][sl])
+    }
+
+    /// Marks free block `id` used for its first `size` bytes, returning the
+    /// rest (if any) to the heap as a new free block.
+    fn carve(&mut self, id: u32, size: u64) -> u32 {
+        self.unlink_free(id);
+        let b = &mut self.blocks[id as usize];
+        b.free = false;
+        self.free_bytes -= b.size;
+        let rest = b.size - size;
+        if rest > 0 {
+            b.size = size;
+            let (addr, next) = (b.addr + size, b.next_phys);
+            let r = self.new_block(Block {
+                addr,
+                size: rest,
+                free: false,
+                prev_phys: id,
+                next_phys: next,
+                prev_free: NONE,
+                next_free: NONE,
+            });
+            self.blocks[id as usize].next_phys = r;
+            if next == NONE {
+                self.region_ends.insert(addr + rest, r);
+            } else {
+                self.blocks[next as usize].prev_phys = r;
+            }
+            self.release(r);
+        }
+        id
+    }
+
+    /// Makes used block `id` free, merging it with free neighbours.
+    fn release(&mut self, mut id: u32) -> u32 {
+        self.free_bytes += self.blocks[id as usize].size;
+        let prev = self.blocks[id as usize].prev_phys;
+        if prev != NONE && self.blocks[prev as usize].free {
+            self.unlink_free(prev);
+            self.absorb_next(prev);
+            id = prev;
+        }
+        let next = self.blocks[id as usize].next_phys;
+        if next != NONE && self.blocks[next as usize].free {
+            self.unlink_free(next);
+            self.absorb_next(id);
+        }
+        self.blocks[id as usize].free = true;
+        self.link_free(id);
+        id
+    }
+
+    /// Merges the block after `id` into `id`.
+    fn absorb_next(&mut self, id: u32) {
+        let next = self.blocks[id as usize].next_phys;
+        let n = self.blocks[next as usize].clone();
+        let b = &mut self.blocks[id as usize];
+        b.size += n.size;
+        b.next_phys = n.next_phys;
+        if n.next_phys == NONE {
+            self.region_ends.insert(n.addr + n.size, id);
+        } else {
+            self.blocks[n.next_phys as usize].prev_phys = id;
+        }
+        self.unused_slots.push(next);
+    }
+
+    /// Makes a used block free without merging (its neighbours are used).
+    fn mark_free(&mut self, id: u32) {
+        self.free_bytes += self.blocks[id as usize].size;
+        self.blocks[id as usize].free = true;
+        self.link_free(id);
+    }
+
+    fn link_free(&mut self, id: u32) {
+        let (fl, sl) = bin_of(self.blocks[id as usize].size / QUANTUM);
+        let head = self.heads[fl][sl];
+        {
+            let b = &mut self.blocks[id as usize];
+            b.prev_free = NONE;
+            b.next_free = head;
+        }
+        if head != NONE {
+            self.blocks[head as usize].prev_free = id;
+        }
+        self.heads[fl][sl] = id;
+        self.fl_bitmap |= 1 << fl;
+        self.sl_bitmaps[fl] |= 1 << sl;
+    }
+
+    fn unlink_free(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        let (prev, next) = (b.prev_free, b.next_free);
+        let (fl, sl) = bin_of(b.size / QUANTUM);
+        if prev != NONE {
+            self.blocks[prev as usize].next_free = next;
+        } else {
+            self.heads[fl][sl] = next;
+            if next == NONE {
+                self.sl_bitmaps[fl] &= !(1 << sl);
+                if self.sl_bitmaps[fl] == 0 {
+                    self.fl_bitmap &= !(1 << fl);
+                }
+            }
+        }
+        if next != NONE {
+            self.blocks[next as usize].prev_free = prev;
+        }
+        self.blocks[id as usize].free = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, HashSet};
+
+    impl Heap {
+        /// Recounts everything from the blocks and compares.
+        fn check(&self) {
+            let unused: HashSet<u32> = self.unused_slots.iter().copied().collect();
+            let mut free_sum = 0;
+            let mut listed = HashSet::new();
+            self.for_each_free(|_, size, id| {
+                free_sum += size;
+                assert!(listed.insert(id.0), "block listed twice");
+            });
+            assert_eq!(free_sum, self.free_bytes, "free bytes");
+            for (i, b) in self.blocks.iter().enumerate() {
+                let i = i as u32;
+                if unused.contains(&i) {
+                    continue;
+                }
+                assert_eq!(b.free, listed.contains(&i), "free flag vs free lists");
+                let (fl, sl) = bin_of(b.size / QUANTUM);
+                if b.free {
+                    assert!(
+                        self.fl_bitmap & (1 << fl) != 0 && self.sl_bitmaps[fl] & (1 << sl) != 0
+                    );
+                }
+                match b.next_phys {
+                    NONE => assert_eq!(self.region_ends.get(&(b.addr + b.size)), Some(&i)),
+                    n => {
+                        let n = &self.blocks[n as usize];
+                        assert_eq!(n.prev_phys, i);
+                        assert_eq!(n.addr, b.addr + b.size, "neighbours not adjacent");
+                        assert!(!(b.free && n.free), "two free neighbours not merged");
+                    }
+                }
+                if b.prev_phys == NONE {
+                    assert_eq!(self.region_starts.get(&b.addr), Some(&i));
+                }
+            }
+            for (&end, &id) in &self.region_ends {
+                let b = &self.blocks[id as usize];
+                assert!(!unused.contains(&id) && b.addr + b.size == end && b.next_phys == NONE);
+            }
+            for (&start, &id) in &self.region_starts {
+                let b = &self.blocks[id as usize];
+                assert!(!unused.contains(&id) && b.addr == start && b.prev_phys == NONE);
+            }
+        }
+    }
+
+    #[test]
+    fn bins_are_ordered_and_bounded() {
+        let mut last = (0, 0);
+        for q in 1..100_000u64 {
+            let bin = bin_of(q);
+            assert!(bin >= last, "bins must grow with size");
+            last = bin;
+            let (fl, sl) = bin_at_least(q).unwrap();
+            // Every size in that bin is >= q: its smallest member is.
+            let smallest = if fl == 0 {
+                sl as u64
+            } else {
+                ((SL_COUNT + sl) as u64) << (fl - 1)
+            };
+            assert!(smallest >= q, "q {q}: bin ({fl},{sl}) starts at {smallest}");
+        }
+    }
+
+    #[test]
+    fn adjacent_ranges_join_and_split() {
+        let q = QUANTUM;
+        let mut h = Heap::new();
+        h.insert_free(0, 4 * q);
+        h.insert_free(8 * q, 4 * q);
+        h.insert_free(4 * q, 4 * q); // fills the gap: one region of 12
+        h.check();
+        assert_eq!(h.largest_free(), 12 * q);
+        let (_, id) = h.alloc(12 * q).unwrap();
+        assert!(h.alloc(q).is_none());
+        let free = h.free(id);
+        h.take(free, 4 * q, 2 * q);
+        h.check();
+        assert_eq!(h.free_bytes(), 10 * q);
+        assert_eq!(h.largest_free(), 6 * q);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64),
+        Alloc(u64),
+        Free(usize),
+        Take(usize, u64, u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1..64u64).prop_map(Op::Insert),
+            (1..48u64).prop_map(Op::Alloc),
+            any::<usize>().prop_map(Op::Free),
+            (any::<usize>(), 0..32u64, 1..16u64).prop_map(|(i, a, b)| Op::Take(i, a, b)),
+        ]
+    }
+
+    proptest! {
+        /// Against a model: a map of every quantum's state.
+        #[test]
+        fn matches_a_model(ops in proptest::collection::vec(op(), 1..200), gaps in proptest::collection::vec(0..3u64, 200)) {
+            let q = QUANTUM;
+            let mut h = Heap::new();
+            // quantum index -> Some(true) used, Some(false) free; absent: not in heap.
+            let mut model: BTreeMap<u64, bool> = BTreeMap::new();
+            let mut live: Vec<(u64, u64, BlockId)> = Vec::new();
+            let mut next = 0u64;
+            for (i, op) in ops.into_iter().enumerate() {
+                match op {
+                    Op::Insert(n) => {
+                        // Sometimes adjacent to the previous range, sometimes not.
+                        next += gaps[i % gaps.len()] * 7;
+                        h.insert_free(next * q, n * q);
+                        for k in next..next + n { model.insert(k, false); }
+                        next += n;
+                    }
+                    Op::Alloc(n) => {
+                        let largest_free_run = {
+                            let (mut best, mut run, mut prev) = (0, 0, None);
+                            for (&k, &used) in &model {
+                                run = if !used && prev == Some(k.wrapping_sub(1)) { run + 1 } else if !used { 1 } else { 0 };
+                                best = best.max(run);
+                                prev = if used { None } else { Some(k) };
+                            }
+                            best
+                        };
+                        prop_assert_eq!(h.largest_free(), largest_free_run * q);
+                        match h.alloc(n * q) {
+                            Some((addr, id)) => {
+                                for k in addr / q..addr / q + n {
+                                    prop_assert_eq!(model.insert(k, true), Some(false), "allocated a non-free quantum");
+                                }
+                                live.push((addr, n, id));
+                            }
+                            None => prop_assert!(largest_free_run < n, "refused {} with a free run of {}", n, largest_free_run),
+                        }
+                    }
+                    Op::Free(i) if !live.is_empty() => {
+                        let (addr, n, id) = live.swap_remove(i % live.len());
+                        h.free(id);
+                        for k in addr / q..addr / q + n { model.insert(k, false); }
+                    }
+                    Op::Take(i, off, len) => {
+                        let mut blocks = Vec::new();
+                        h.for_each_free(|a, s, id| blocks.push((a, s, id)));
+                        if blocks.is_empty() { continue; }
+                        blocks.sort_by_key(|b| b.0);
+                        let (a, s, id) = blocks[i % blocks.len()];
+                        let off = off.min(s / q - 1);
+                        let len = len.min(s / q - off);
+                        h.take(id, a + off * q, len * q);
+                        for k in a / q + off..a / q + off + len { prop_assert_eq!(model.remove(&k), Some(false)); }
+                    }
+                    Op::Free(_) => {}
+                }
+                h.check();
+                let free = model.values().filter(|u| !**u).count() as u64;
+                prop_assert_eq!(h.free_bytes(), free * q);
+            }
+        }
+    }
+}

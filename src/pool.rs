@@ -1,0 +1,852 @@
+//! A pool: one virtual reservation, physical chunks mapped into it, and a
+//! heap of the mapped free space.
+//!
+//! ```text
+//!  reservation  [base ................................................. base+va_size)
+//!  units        [unit A ][unit B      ]      [unit C]           (mapped ranges; each
+//!                                                                one chunk, or part of one)
+//!  heap         [a1|free|a2  |  free   ]      [ a3  ]           (allocations packed at
+//!                                                                256-byte granularity)
+//!  spares       chunks not mapped anywhere, kept for reuse
+//! ```
+//!
+//! The reservation has two arenas, each with its own heap: small allocations
+//! (under [`SMALL_LIMIT`]) are packed in the first, on granule-sized chunks;
+//! larger ones go to the second. Kept apart, small long-lived allocations do
+//! not pin the chunks that large ones free, so those can move.
+//!
+//! An allocation takes a free block from the heap when one fits (no driver
+//! call). When none fits, the pool grows a contiguous range: it extends the
+//! free block that ends a mapped region (or picks an unmapped gap) and backs
+//! the new part with spare pieces, then with whole free units unmapped from
+//! elsewhere (the defragmenting remap), and only then with a new chunk. A
+//! unit moves only when no live byte is on it, so a pointer never moves.
+//!
+//! Physical accounting: a chunk counts as reserved from its creation until
+//! its last piece (mapped or spare) is dropped, which is when the driver
+//! frees it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use vmm::memory::{Chunk, Mapping, Reservation};
+use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind};
+
+use crate::heap::{BlockId, Heap, QUANTUM};
+use crate::plan::{self, Plan, Source};
+use crate::{Error, Result};
+
+/// Properties fixed when a pool is created (as `cudaMemPoolProps`).
+#[derive(Debug, Clone)]
+pub struct PoolProps {
+    pub device: DeviceId,
+    /// Most physical bytes the pool may hold; `None`: the device's memory.
+    pub max_size: Option<u64>,
+    /// Smallest chunk a growth creates, in bytes (rounded up to the
+    /// granularity); `None`: the granularity. See the README's "Chunk size".
+    pub chunk_size: Option<u64>,
+    /// Virtual address space to reserve; `None`: four times the device's
+    /// memory, so that address space never runs short before memory does.
+    pub va_size: Option<u64>,
+}
+
+impl PoolProps {
+    pub fn new(device: DeviceId) -> Self {
+        Self {
+            device,
+            max_size: None,
+            chunk_size: None,
+            va_size: None,
+        }
+    }
+}
+
+/// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolAttribute {
+    /// Bytes the pool may keep cached across a synchronization.
+    ReleaseThreshold,
+    ReuseFollowEventDependencies,
+    ReuseAllowOpportunistic,
+    ReuseAllowInternalDependencies,
+    /// Physical bytes held (read-only).
+    ReservedMemCurrent,
+    /// High-water mark of the above; setting it to 0 resets it to current.
+    ReservedMemHigh,
+    /// Bytes of live allocations (read-only).
+    UsedMemCurrent,
+    /// High-water mark of the above; setting it to 0 resets it to current.
+    UsedMemHigh,
+}
+
+/// What the pool has done, beyond CUDA's attributes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub allocations: u64,
+    pub frees: u64,
+    /// Allocations that needed new mapped space.
+    pub grows: u64,
+    /// Units unmapped from one place and mapped at another.
+    pub remaps: u64,
+    pub bytes_remapped: u64,
+    pub chunks_created: u64,
+    pub chunks_released: u64,
+    pub bytes_created: u64,
+    pub bytes_released: u64,
+    /// Driver map and unmap calls.
+    pub maps: u64,
+    pub unmaps: u64,
+    pub trims: u64,
+    /// Current state.
+    pub reserved_bytes: u64,
+    pub used_bytes: u64,
+    pub mapped_bytes: u64,
+    pub spare_bytes: u64,
+    pub units: u64,
+    pub largest_free_range: u64,
+}
+
+/// A live allocation. Not `Clone`: it is consumed by [`Pool::free`], so a
+/// double free does not compile.
+#[derive(Debug)]
+pub struct Allocation {
+    ptr: DevicePtr,
+    size: u64,
+    arena: usize,
+    block: BlockId,
+    pool: u64,
+}
+
+impl Allocation {
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size asked for.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+/// What does not change after creation; outside the lock.
+struct Space<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    reservation: Arc<Reservation<B>>,
+    granule: u64,
+    max_size: u64,
+    access: Vec<AccessDesc>,
+}
+
+impl<B: Backend> Space<B> {
+    fn base(&self) -> u64 {
+        self.reservation.base().0
+    }
+}
+
+/// Allocations below this size share the small arena.
+pub const SMALL_LIMIT: u64 = 1 << 20;
+
+/// One part of the reservation, with its own heap of mapped free space.
+struct Arena {
+    heap: Heap,
+    start: u64,
+    end: u64,
+    /// Largest chunk a growth of this arena creates.
+    chunk_size: u64,
+}
+
+struct Inner<B: Backend> {
+    /// Small, then large.
+    arenas: [Arena; 2],
+    /// Mapped units by address, in both arenas; every mapped byte is in the
+    /// heap of its arena.
+    units: BTreeMap<u64, Mapping<B>>,
+    /// Chunks held but not mapped.
+    spares: Vec<Arc<Chunk<B>>>,
+    /// Mappings that could be neither given access nor unmapped: out of
+    /// service, kept so their chunks stay accounted for.
+    quarantine: Vec<Mapping<B>>,
+    reserved: u64,
+    reserved_high: u64,
+    used: u64,
+    used_high: u64,
+    release_threshold: u64,
+    reuse: [bool; 3],
+    stats: PoolStats,
+}
+
+pub(crate) struct Shared<B: Backend> {
+    id: u64,
+    space: Space<B>,
+    inner: Mutex<Inner<B>>,
+    /// The other pools of the device, asked to release unused memory before
+    /// this one reports out-of-memory.
+    siblings: Weak<Siblings<B>>,
+}
+
+/// The pools of one device.
+pub(crate) type Siblings<B> = Mutex<Vec<Weak<Shared<B>>>>;
+
+/// A memory pool. Cloning gives another handle to the same pool.
+pub struct Pool<B: Backend>(Arc<Shared<B>>);
+
+impl<B: Backend> Clone for Pool<B> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+impl<B: Backend> Pool<B> {
+    pub(crate) fn create(
+        backend: &Arc<B>,
+        props: &PoolProps,
+        siblings: &Arc<Siblings<B>>,
+    ) -> Result<Self> {
+        let device = props.device;
+        if device.0 >= backend.device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        let granule = backend.granularity(device)? as u64;
+        let total = backend.mem_info(device)?.total as u64;
+        let chunk_size = props
+            .chunk_size
+            .unwrap_or(granule)
+            .next_multiple_of(granule);
+        let va_size = props.va_size.unwrap_or(4 * total).next_multiple_of(granule);
+        if chunk_size == 0 || va_size == 0 {
+            return Err(Error::InvalidProps(
+                "chunk and address-space sizes must be non-zero".into(),
+            ));
+        }
+        let reservation = Reservation::new(backend, va_size as usize, 0)?;
+        let base = reservation.base().0;
+        // An eighth of the address space for small allocations is far more
+        // than they ever need; the rest is for large ones.
+        let split = base + (va_size / 8).next_multiple_of(granule);
+        let arena = |start, end, chunk_size| Arena {
+            heap: Heap::new(),
+            start,
+            end,
+            chunk_size,
+        };
+        let shared = Arc::new(Shared {
+            id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+            space: Space {
+                backend: Arc::clone(backend),
+                device,
+                reservation,
+                granule,
+                max_size: props.max_size.unwrap_or(u64::MAX),
+                access: vec![AccessDesc::read_write(device)],
+            },
+            inner: Mutex::new(Inner {
+                arenas: [
+                    arena(base, split, granule),
+                    arena(split, base + va_size, chunk_size),
+                ],
+                units: BTreeMap::new(),
+                spares: Vec::new(),
+                quarantine: Vec::new(),
+                reserved: 0,
+                reserved_high: 0,
+                used: 0,
+                used_high: 0,
+                release_threshold: 0,
+                reuse: [true; 3],
+                stats: PoolStats::default(),
+            }),
+            siblings: Arc::downgrade(siblings),
+        });
+        let mut list = siblings.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(&shared));
+        tracing::debug!(pool = shared.id, %device, va_size, chunk_size, "pool created");
+        Ok(Self(shared))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<B>> {
+        // Every update of the tables completes before the lock is released
+        // (driver failures are handled, not unwound), so a poisoned lock
+        // still guards consistent state.
+        self.0.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.0.space.device
+    }
+
+    pub fn backend(&self) -> &Arc<B> {
+        &self.0.space.backend
+    }
+
+    /// Allocates `size` bytes, aligned to 256. Grows, defragments and, when
+    /// the device is full, asks every pool on it to release unused memory
+    /// before it gives up.
+    pub fn allocate(&self, size: u64) -> Result<Allocation> {
+        let va_size = self.0.space.reservation.size() as u64;
+        if size == 0 {
+            return Err(Error::InvalidSize {
+                requested: size,
+                reason: "zero bytes",
+            });
+        }
+        if size > va_size {
+            return Err(Error::InvalidSize {
+                requested: size,
+                reason: "larger than the pool's address space",
+            });
+        }
+        let rounded = size.next_multiple_of(QUANTUM);
+        let mut released_others = false;
+        loop {
+            let mut inner = self.lock();
+            match inner.allocate(&self.0.space, rounded) {
+                Ok((addr, arena, block)) => {
+                    tracing::trace!(
+                        pool = self.0.id,
+                        ptr = format_args!("{addr:#x}"),
+                        size,
+                        "allocate"
+                    );
+                    return Ok(Allocation {
+                        ptr: DevicePtr(addr),
+                        size,
+                        arena,
+                        block,
+                        pool: self.0.id,
+                    });
+                }
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
+                    drop(inner);
+                    tracing::debug!(
+                        pool = self.0.id,
+                        size,
+                        "device full: releasing unused memory of every pool"
+                    );
+                    self.release_unused_on_device();
+                    released_others = true;
+                }
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                    let device_free = self
+                        .0
+                        .space
+                        .backend
+                        .mem_info(self.0.space.device)
+                        .map_or(0, |m| m.free as u64);
+                    return Err(Error::OutOfMemory {
+                        device: self.0.space.device,
+                        requested: size,
+                        reserved: inner.reserved,
+                        used: inner.used,
+                        device_free,
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Returns an allocation to the pool.
+    pub fn free(&self, allocation: Allocation) -> Result<()> {
+        if allocation.pool != self.0.id {
+            return Err(Error::WrongPool {
+                ptr: allocation.ptr.0,
+            });
+        }
+        tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
+        self.lock().free(allocation.arena, allocation.block);
+        Ok(())
+    }
+
+    /// Releases unused physical memory until the pool holds at most
+    /// `bytes_to_keep` bytes, or nothing more can be released (a chunk is
+    /// released only once no live byte is on any part of it).
+    pub fn trim_to(&self, bytes_to_keep: u64) -> Result<()> {
+        self.lock().trim_to(bytes_to_keep)
+    }
+
+    fn release_unused_on_device(&self) {
+        let Some(siblings) = self.0.siblings.upgrade() else {
+            return;
+        };
+        let pools: Vec<Arc<Shared<B>>> = siblings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for shared in pools {
+            if let Err(err) = Pool(shared).trim_to(0) {
+                tracing::warn!(%err, "releasing unused memory failed");
+            }
+        }
+    }
+
+    pub fn attribute(&self, attribute: PoolAttribute) -> u64 {
+        let inner = self.lock();
+        match attribute {
+            PoolAttribute::ReleaseThreshold => inner.release_threshold,
+            PoolAttribute::ReuseFollowEventDependencies => inner.reuse[0] as u64,
+            PoolAttribute::ReuseAllowOpportunistic => inner.reuse[1] as u64,
+            PoolAttribute::ReuseAllowInternalDependencies => inner.reuse[2] as u64,
+            PoolAttribute::ReservedMemCurrent => inner.reserved,
+            PoolAttribute::ReservedMemHigh => inner.reserved_high,
+            PoolAttribute::UsedMemCurrent => inner.used,
+            PoolAttribute::UsedMemHigh => inner.used_high,
+        }
+    }
+
+    pub fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
+        let invalid = |reason| Error::InvalidAttribute {
+            attribute,
+            value,
+            reason,
+        };
+        let flag = |value| match value {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(invalid("a switch takes 0 or 1")),
+        };
+        let mut inner = self.lock();
+        match attribute {
+            PoolAttribute::ReleaseThreshold => inner.release_threshold = value,
+            PoolAttribute::ReuseFollowEventDependencies => inner.reuse[0] = flag(value)?,
+            PoolAttribute::ReuseAllowOpportunistic => inner.reuse[1] = flag(value)?,
+            PoolAttribute::ReuseAllowInternalDependencies => inner.reuse[2] = flag(value)?,
+            PoolAttribute::ReservedMemHigh | PoolAttribute::UsedMemHigh if value != 0 => {
+                return Err(invalid("a high-water mark can only be reset, with 0"))
+            }
+            PoolAttribute::ReservedMemHigh => inner.reserved_high = inner.reserved,
+            PoolAttribute::UsedMemHigh => inner.used_high = inner.used,
+            PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
+                return Err(invalid("read-only"))
+            }
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let inner = self.lock();
+        PoolStats {
+            reserved_bytes: inner.reserved,
+            used_bytes: inner.used,
+            mapped_bytes: inner.units.values().map(|m| m.size() as u64).sum(),
+            spare_bytes: inner.spares.iter().map(|c| c.size() as u64).sum(),
+            units: inner.units.len() as u64,
+            largest_free_range: inner
+                .arenas
+                .iter()
+                .map(|a| a.heap.largest_free())
+                .max()
+                .unwrap_or(0),
+            ..inner.stats.clone()
+        }
+    }
+
+    /// Recounts the pool from its own tables and checks them against the
+    /// running totals; returns what disagrees. For tests and debugging.
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        self.lock().audit()
+    }
+}
+
+impl<B: Backend> Inner<B> {
+    fn allocate(&mut self, space: &Space<B>, size: u64) -> Result<(u64, usize, BlockId)> {
+        let arena = usize::from(size >= SMALL_LIMIT);
+        let (addr, block) = match self.arenas[arena].heap.alloc(size) {
+            Some(found) => found,
+            None => {
+                let free = self.grow(space, arena, size)?;
+                self.arenas[arena].heap.alloc_from(free, size)
+            }
+        };
+        self.used += size;
+        self.used_high = self.used_high.max(self.used);
+        self.stats.allocations += 1;
+        Ok((addr, arena, block))
+    }
+
+    fn free(&mut self, arena: usize, block: BlockId) {
+        let heap = &mut self.arenas[arena].heap;
+        let (_, size) = heap.span(block);
+        heap.free(block);
+        self.used -= size;
+        self.stats.frees += 1;
+    }
+
+    /// Maps new space so that a free block of at least `size` bytes exists,
+    /// and returns it. On failure the tables are consistent and every chunk
+    /// is still accounted for (mapped, spare or released).
+    fn grow(&mut self, space: &Space<B>, arena: usize, size: u64) -> Result<BlockId> {
+        let plan = self.plan(space, arena, size)?;
+        let span = tracing::debug_span!(
+            "grow",
+            size,
+            at = format_args!("{:#x}", plan.target.start),
+            new = plan.len(),
+            extends = plan.target.extends
+        );
+        let _enter = span.enter();
+        let chunks = self.gather(space, &plan.sources)?;
+        self.map_at(space, plan.target.start, chunks)?;
+        self.stats.grows += 1;
+        Ok(self.arenas[arena]
+            .heap
+            .insert_free(plan.target.start, plan.len()))
+    }
+
+    fn plan(&self, space: &Space<B>, arena: usize, size: u64) -> Result<Plan> {
+        let Arena {
+            heap,
+            start,
+            end,
+            chunk_size,
+        } = &self.arenas[arena];
+        let next_unit_after = |at: u64| {
+            self.units
+                .range(at..*end)
+                .next()
+                .map_or(*end, |(&va, _)| va)
+        };
+        let mut tails: Vec<(u64, u64, u64)> = heap
+            .free_region_tails()
+            .map(|(start, len, _)| (start, len, next_unit_after(start + len) - (start + len)))
+            .collect();
+        // Deterministic order for ties (the heap keeps tails in a hash map).
+        tails.sort_unstable();
+        let mut prev_end = *start;
+        let mut gaps: Vec<(u64, u64)> = Vec::new();
+        for (&va, m) in self.units.range(start..end) {
+            if va > prev_end {
+                gaps.push((prev_end, va - prev_end));
+            }
+            prev_end = va + m.size() as u64;
+        }
+        gaps.push((prev_end, end - prev_end));
+        let spares: Vec<u64> = self.spares.iter().map(|c| c.size() as u64).collect();
+        let units: Vec<(u64, u64)> = self
+            .free_units()
+            .iter()
+            .map(|&(va, len, _)| (va, len))
+            .collect();
+        let inputs = plan::Inputs {
+            tails: &tails,
+            gaps: &gaps,
+            spares: &spares,
+            units: &units,
+            granule: space.granule,
+            chunk_size: *chunk_size,
+        };
+        plan::plan_growth(size, &inputs).ok_or(Error::InvalidSize {
+            requested: size,
+            reason: "no room left in the pool's address space",
+        })
+    }
+
+    /// Units with no live byte, in both arenas: (address, size, the free
+    /// block holding it).
+    fn free_units(&self) -> Vec<(u64, u64, BlockId)> {
+        let mut found = Vec::new();
+        for arena in &self.arenas {
+            arena.heap.for_each_free(|addr, len, block| {
+                for (&va, m) in self.units.range(addr..addr + len) {
+                    if va + m.size() as u64 <= addr + len {
+                        found.push((va, m.size() as u64, block));
+                    }
+                }
+            });
+        }
+        found
+    }
+
+    fn heap_of(&mut self, va: u64) -> &mut Heap {
+        let small = va < self.arenas[0].end;
+        &mut self.arenas[usize::from(!small)].heap
+    }
+
+    /// Takes free units out of the heap and unmaps them, right to left so
+    /// that each free block's id stays valid for the units left of it.
+    /// Returns their chunks by the address they had. A unit that fails to
+    /// unmap goes back in the heap; the chunks unmapped before it are spare.
+    fn unmap_units(&mut self, at: &[u64]) -> Result<Vec<(u64, Arc<Chunk<B>>)>> {
+        let mut units: Vec<(u64, u64, BlockId)> = self
+            .free_units()
+            .into_iter()
+            .filter(|(va, _, _)| at.contains(va))
+            .collect();
+        units.sort_by_key(|&(va, _, _)| std::cmp::Reverse(va));
+        let mut chunks = Vec::new();
+        for (va, len, block) in units {
+            self.heap_of(va).take(block, va, len);
+            let mapping = self.units.remove(&va).expect("a free unit is mapped");
+            match mapping.unmap() {
+                Ok(chunk) => {
+                    self.stats.unmaps += 1;
+                    tracing::debug!(va = format_args!("{va:#x}"), len, "unmapped unit");
+                    chunks.push((va, chunk));
+                }
+                Err((err, mapping)) => {
+                    self.units.insert(va, mapping);
+                    self.heap_of(va).insert_free(va, len);
+                    self.spares.extend(chunks.into_iter().map(|(_, c)| c));
+                    return Err(err.into());
+                }
+            }
+        }
+        Ok(chunks)
+    }
+
+    /// Collects the chunks a plan names, in its order. On failure the chunks
+    /// this call created are released again and the others are spare.
+    fn gather(&mut self, space: &Space<B>, sources: &[Source]) -> Result<Vec<Arc<Chunk<B>>>> {
+        let moving: Vec<u64> = sources
+            .iter()
+            .filter_map(|s| match *s {
+                Source::Unit { va, .. } => Some(va),
+                _ => None,
+            })
+            .collect();
+        let mut moved: HashMap<u64, Arc<Chunk<B>>> =
+            self.unmap_units(&moving)?.into_iter().collect();
+        let mut spares: Vec<Option<Arc<Chunk<B>>>> = self.spares.drain(..).map(Some).collect();
+        let mut chunks = Vec::new();
+        let mut created = Vec::new();
+        let mut failure = None;
+        for source in sources {
+            let chunk = match *source {
+                Source::Spare { index, .. } => spares[index].take(),
+                Source::Unit { va, size } => {
+                    self.stats.remaps += 1;
+                    self.stats.bytes_remapped += size;
+                    moved.remove(&va)
+                }
+                Source::New { size } => match self.create_chunk(space, size) {
+                    Ok(chunk) => {
+                        created.push(chunk.handle());
+                        Some(chunk)
+                    }
+                    Err(err) => {
+                        failure = Some(err);
+                        break;
+                    }
+                },
+            };
+            chunks.push(chunk.expect("every planned chunk was gathered"));
+        }
+        self.spares.extend(spares.into_iter().flatten());
+        match failure {
+            Some(err) => {
+                for chunk in chunks {
+                    if created.contains(&chunk.handle()) {
+                        self.release(chunk);
+                    } else {
+                        self.spares.push(chunk);
+                    }
+                }
+                Err(err)
+            }
+            None => Ok(chunks),
+        }
+    }
+
+    fn create_chunk(&mut self, space: &Space<B>, size: u64) -> Result<Arc<Chunk<B>>> {
+        if self.reserved + size > space.max_size {
+            return Err(Error::PoolLimit {
+                requested: size,
+                reserved: self.reserved,
+                max_size: space.max_size,
+            });
+        }
+        let chunk = Chunk::new(&space.backend, space.device, size as usize)?;
+        self.reserved += size;
+        self.reserved_high = self.reserved_high.max(self.reserved);
+        self.stats.chunks_created += 1;
+        self.stats.bytes_created += size;
+        tracing::debug!(handle = chunk.handle().0, size, "created chunk");
+        Ok(chunk)
+    }
+
+    /// Maps `chunks` side by side from `start`, each as one unit with access
+    /// for the pool's device. On failure, what this call mapped is unmapped
+    /// again and every chunk is spare.
+    fn map_at(&mut self, space: &Space<B>, start: u64, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
+        let mut at = start;
+        let mut done: Vec<u64> = Vec::new();
+        let mut chunks = chunks.into_iter();
+        while let Some(chunk) = chunks.next() {
+            let size = chunk.size() as u64;
+            match self.map_one(space, at, chunk) {
+                Ok(mapping) => {
+                    self.units.insert(at, mapping);
+                    done.push(at);
+                    at += size;
+                }
+                Err(err) => {
+                    self.spares.extend(chunks);
+                    for va in done {
+                        let mapping = self.units.remove(&va).expect("mapped above");
+                        self.retire(mapping);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps one chunk with access at `at`. On failure the chunk is spare
+    /// (or quarantined with its mapping, if that would not unmap).
+    fn map_one(&mut self, space: &Space<B>, at: u64, chunk: Arc<Chunk<B>>) -> Result<Mapping<B>> {
+        let mapping = match Mapping::new(&space.reservation, (at - space.base()) as usize, &chunk) {
+            Ok(mapping) => mapping,
+            Err(err) => {
+                self.spares.push(chunk);
+                return Err(err.into());
+            }
+        };
+        self.stats.maps += 1;
+        if let Err(err) = mapping.set_access(&space.access) {
+            drop(chunk);
+            self.retire(mapping);
+            return Err(err.into());
+        }
+        tracing::debug!(
+            va = format_args!("{at:#x}"),
+            len = chunk.size(),
+            handle = chunk.handle().0,
+            "mapped unit"
+        );
+        Ok(mapping)
+    }
+
+    /// Unmaps a mapping that is not (or no longer) in the heap, keeping its
+    /// chunk as spare; one that will not unmap is quarantined.
+    fn retire(&mut self, mapping: Mapping<B>) {
+        match mapping.unmap() {
+            Ok(chunk) => {
+                self.stats.unmaps += 1;
+                self.spares.push(chunk);
+            }
+            Err((err, mapping)) => {
+                tracing::warn!(%err, va = %mapping.va(), "could not unmap; mapping taken out of service");
+                self.quarantine.push(mapping);
+            }
+        }
+    }
+
+    fn trim_to(&mut self, keep: u64) -> Result<()> {
+        if self.reserved <= keep {
+            return Ok(());
+        }
+        let span = tracing::debug_span!("trim", reserved = self.reserved, keep);
+        let _enter = span.enter();
+        self.stats.trims += 1;
+        // Spare chunks and free units can go, largest first.
+        let mut candidates: Vec<(u64, Option<u64>)> = self
+            .spares
+            .iter()
+            .map(|c| (c.size() as u64, None))
+            .chain(
+                self.free_units()
+                    .iter()
+                    .map(|&(va, len, _)| (len, Some(va))),
+            )
+            .collect();
+        candidates.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
+        let mut after = self.reserved;
+        let mut spare_count = 0;
+        let mut units = Vec::new();
+        for (size, va) in candidates {
+            if after <= keep {
+                break;
+            }
+            after -= size;
+            match va {
+                Some(va) => units.push(va),
+                None => spare_count += 1,
+            }
+        }
+        // The largest spares are the ones counted above.
+        self.spares.sort_by_key(|c| std::cmp::Reverse(c.size()));
+        let going: Vec<Arc<Chunk<B>>> = self.spares.drain(..spare_count).collect();
+        for chunk in going {
+            self.release(chunk);
+        }
+        for (_, chunk) in self.unmap_units(&units)? {
+            self.release(chunk);
+        }
+        Ok(())
+    }
+
+    /// Drops a chunk the pool no longer wants; the driver frees it.
+    fn release(&mut self, chunk: Arc<Chunk<B>>) {
+        let size = chunk.size() as u64;
+        debug_assert_eq!(
+            Arc::strong_count(&chunk),
+            1,
+            "a released chunk has one owner"
+        );
+        drop(chunk);
+        self.reserved -= size;
+        self.stats.chunks_released += 1;
+        self.stats.bytes_released += size;
+        tracing::debug!(size, "released chunk");
+    }
+
+    fn audit(&self) -> std::result::Result<(), String> {
+        let mut problems = Vec::new();
+        let mut chunks: HashMap<ChunkHandle, u64> = HashMap::new();
+        let mut hold = |c: &Arc<Chunk<B>>, problems: &mut Vec<String>| {
+            if chunks.insert(c.handle(), c.size() as u64).is_some() {
+                problems.push(format!("{:?} is held twice", c.handle()));
+            }
+        };
+        let mut mapped = 0;
+        let mut prev_end = 0;
+        for (&va, m) in &self.units {
+            if va < prev_end {
+                problems.push(format!("unit at {va:#x} overlaps the one before"));
+            }
+            prev_end = va + m.size() as u64;
+            mapped += m.size() as u64;
+            hold(m.chunk(), &mut problems);
+        }
+        for c in &self.spares {
+            hold(c, &mut problems);
+        }
+        for m in &self.quarantine {
+            hold(m.chunk(), &mut problems);
+        }
+        let reserved: u64 = chunks.values().sum();
+        if reserved != self.reserved {
+            problems.push(format!(
+                "reserved {} but chunks add up to {reserved}",
+                self.reserved
+            ));
+        }
+        let free: u64 = self.arenas.iter().map(|a| a.heap.free_bytes()).sum();
+        if free + self.used != mapped {
+            problems.push(format!(
+                "free {free} + used {} != {mapped} bytes mapped",
+                self.used
+            ));
+        }
+        if self.stats.chunks_created - self.stats.chunks_released != chunks.len() as u64 {
+            problems.push(format!(
+                "{} chunks created, {} released, {} held",
+                self.stats.chunks_created,
+                self.stats.chunks_released,
+                chunks.len()
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+}

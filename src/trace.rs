@@ -1,0 +1,126 @@
+//! Allocation traces in the shared format (gzip'd or plain text):
+//!
+//! ```text
+//! # comment; the first line may end with `peak_live N`
+//! a <id> <bytes> <stream>     allocate
+//! f <id> <stream>             free
+//! ```
+//!
+//! Ids are renumbered into dense slots so that a replay indexes a `Vec`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceOp {
+    Alloc { slot: usize, size: u64, stream: u64 },
+    Free { slot: usize, stream: u64 },
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    pub ops: Vec<TraceOp>,
+    /// Number of slots (distinct allocations).
+    pub slots: usize,
+    /// Highest total of live bytes, computed from the ops.
+    pub peak_live: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("reading the trace: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("line {line}: {reason}")]
+    Parse { line: usize, reason: String },
+}
+
+impl Trace {
+    /// Parses a trace, gzip'd (detected by its magic bytes) or plain.
+    pub fn read(input: impl Read) -> Result<Self, TraceError> {
+        let mut input = BufReader::new(input);
+        let gzip = input.fill_buf()?.starts_with(&[0x1f, 0x8b]);
+        if gzip {
+            Self::parse(BufReader::new(flate2::read::MultiGzDecoder::new(input)))
+        } else {
+            Self::parse(input)
+        }
+    }
+
+    fn parse(input: impl BufRead) -> Result<Self, TraceError> {
+        let mut trace = Trace::default();
+        let mut live_ids: HashMap<u64, (usize, u64)> = HashMap::new();
+        let mut live = 0u64;
+        for (i, line) in input.lines().enumerate() {
+            let line = line?;
+            let fail = |reason: String| TraceError::Parse {
+                line: i + 1,
+                reason,
+            };
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let num = |k: usize, what: &str| -> Result<u64, TraceError> {
+                fields
+                    .get(k)
+                    .ok_or_else(|| fail(format!("missing {what}")))?
+                    .parse()
+                    .map_err(|e| fail(format!("bad {what}: {e}")))
+            };
+            match fields.first() {
+                None => {}
+                Some(f) if f.starts_with('#') => {}
+                Some(&"a") => {
+                    let (id, size, stream) = (num(1, "id")?, num(2, "size")?, num(3, "stream")?);
+                    let slot = trace.slots;
+                    if live_ids.insert(id, (slot, size)).is_some() {
+                        return Err(fail(format!("id {id} allocated twice")));
+                    }
+                    trace.slots += 1;
+                    live += size;
+                    trace.peak_live = trace.peak_live.max(live);
+                    trace.ops.push(TraceOp::Alloc { slot, size, stream });
+                }
+                Some(&"f") => {
+                    let (id, stream) = (num(1, "id")?, num(2, "stream")?);
+                    let (slot, size) = live_ids
+                        .remove(&id)
+                        .ok_or_else(|| fail(format!("free of id {id}, which is not live")))?;
+                    live -= size;
+                    trace.ops.push(TraceOp::Free { slot, stream });
+                }
+                Some(other) => return Err(fail(format!("unknown op {other:?}"))),
+            }
+        }
+        Ok(trace)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_plain_and_gzip() {
+        let text = "# x peak_live 30\na 1 10 0\na 2 20 7\nf 1 0\na 3 5 0\nf 2 7\n";
+        let plain = Trace::read(text.as_bytes()).unwrap();
+        assert_eq!(plain.peak_live, 30);
+        assert_eq!(plain.slots, 3);
+        assert_eq!(
+            plain.ops[3],
+            TraceOp::Alloc {
+                slot: 2,
+                size: 5,
+                stream: 0
+            }
+        );
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, text.as_bytes()).unwrap();
+        let zipped = Trace::read(&gz.finish().unwrap()[..]).unwrap();
+        assert_eq!(zipped.ops, plain.ops);
+    }
+
+    #[test]
+    fn rejects_bad_lines() {
+        for bad in ["a 1 x 0", "f 9 0", "a 1 1 0\na 1 1 0", "z 1"] {
+            assert!(Trace::read(bad.as_bytes()).is_err(), "{bad:?} accepted");
+        }
+    }
+}

@@ -1,0 +1,512 @@
+//! The pool, tested through its public API on every backend: on the host
+//! backend always, on CUDA with `--features gpu-tests` (which fails, not
+//! skips, without a device). Cases that need a small device (out of memory,
+//! injected faults) are host-only, at the bottom.
+
+use std::sync::Arc;
+
+use vmpool::vmm::{Backend, DeviceId};
+use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
+
+const DEV: DeviceId = DeviceId(0);
+const MIB: u64 = 1 << 20;
+
+/// Fills an allocation with `seed`.
+fn fill<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
+    let words = (a.size() / 4) as usize;
+    if words > 0 {
+        b.fill_u32(s, a.ptr(), words, seed).unwrap();
+    }
+}
+
+/// Checks that the whole allocation still holds `seed`.
+fn check<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
+    let len = (a.size() / 4 * 4) as usize;
+    if len == 0 {
+        return;
+    }
+    let mut bytes = vec![0u8; len];
+    b.copy_to_host(s, a.ptr(), &mut bytes).unwrap();
+    assert!(
+        bytes == seed.to_ne_bytes().repeat(len / 4),
+        "allocation at {} lost its data",
+        a.ptr()
+    );
+}
+
+fn small_pool<B: Backend>(ctx: &Context<B>) -> vmpool::Pool<B> {
+    ctx.create_pool(&PoolProps {
+        va_size: Some(4 << 30),
+        ..PoolProps::new(DEV)
+    })
+    .unwrap()
+}
+
+pub fn sizes_and_alignment<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    let sizes = [
+        1,
+        3,
+        255,
+        256,
+        257,
+        4096,
+        SMALL_LIMIT - 1,
+        SMALL_LIMIT,
+        3 * MIB + 5,
+        20 * MIB,
+    ];
+    let allocations: Vec<Allocation> = sizes.iter().map(|&s| pool.allocate(s).unwrap()).collect();
+    for a in &allocations {
+        assert_eq!(a.ptr().0 % 256, 0, "{} not 256-aligned", a.ptr());
+    }
+    let mut spans: Vec<(u64, u64)> = allocations.iter().map(|a| (a.ptr().0, a.size())).collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "allocations overlap: {w:?}");
+    }
+    let used: u64 = sizes.iter().map(|s| s.next_multiple_of(256)).sum();
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), used);
+    for a in allocations {
+        pool.free(a).unwrap();
+    }
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), 0);
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemHigh), used);
+    pool.audit().unwrap();
+}
+
+pub fn more_than_half_the_device<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx.default_pool(DEV).unwrap();
+    let total = b.mem_info(DEV).unwrap().total as u64;
+    let a = pool.allocate(total / 2 + MIB).unwrap();
+    assert_eq!(
+        pool.stats().used_bytes,
+        (total / 2 + MIB).next_multiple_of(256)
+    );
+    pool.free(a).unwrap();
+    pool.trim_to(0).unwrap();
+}
+
+pub fn invalid_requests<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    assert!(matches!(pool.allocate(0), Err(Error::InvalidSize { .. })));
+    assert!(matches!(
+        pool.allocate(u64::MAX),
+        Err(Error::InvalidSize { .. })
+    ));
+    assert!(matches!(
+        pool.allocate(5 << 30),
+        Err(Error::InvalidSize { .. })
+    ));
+    let other = small_pool(&ctx);
+    let a = other.allocate(100).unwrap();
+    let ptr = a.ptr().0;
+    match pool.free(a) {
+        Err(Error::WrongPool { ptr: p }) => assert_eq!(p, ptr),
+        r => panic!("freeing into the wrong pool gave {r:?}"),
+    }
+    assert!(matches!(
+        ctx.create_pool(&PoolProps::new(DeviceId(99))),
+        Err(Error::InvalidDevice(_))
+    ));
+    pool.audit().unwrap();
+}
+
+pub fn small_allocations_are_packed<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    let g = b.granularity(DEV).unwrap() as u64;
+    let n = (g / 1024) as usize; // one granule's worth
+    let all: Vec<Allocation> = (0..n).map(|_| pool.allocate(1000).unwrap()).collect();
+    assert_eq!(pool.attribute(PoolAttribute::ReservedMemCurrent), g);
+    for a in all {
+        pool.free(a).unwrap();
+    }
+}
+
+/// The seed's picture: a checkerboard of holes, then one request larger
+/// than any hole, served by remapping the free chunks, with no new memory.
+pub fn checkerboard_is_served_by_remapping<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let pool = ctx
+        .create_pool(&PoolProps {
+            chunk_size: Some(g),
+            va_size: Some(4 << 30),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let s = b.create_stream(DEV).unwrap();
+    let mut live: Vec<(Allocation, u32)> = Vec::new();
+    let mut holes = Vec::new();
+    for i in 0..32u32 {
+        let a = pool.allocate(g).unwrap();
+        if i % 2 == 0 {
+            fill(&**b, &s, &a, 0xDA7A_0000 + i);
+            live.push((a, 0xDA7A_0000 + i));
+        } else {
+            holes.push(a);
+        }
+    }
+    for a in holes {
+        pool.free(a).unwrap();
+    }
+    let before = pool.stats();
+    assert_eq!(before.largest_free_range, g);
+    let big = pool.allocate(15 * g).unwrap();
+    let after = pool.stats();
+    assert_eq!(
+        after.chunks_created, before.chunks_created,
+        "grew instead of remapping"
+    );
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+    assert!(after.remaps >= 14, "only {} remaps", after.remaps);
+    fill(&**b, &s, &big, 0xB16);
+    for (a, seed) in &live {
+        check(&**b, &s, a, *seed);
+    }
+    check(&**b, &s, &big, 0xB16);
+    pool.audit().unwrap();
+    pool.free(big).unwrap();
+    for (a, _) in live {
+        pool.free(a).unwrap();
+    }
+}
+
+pub fn trim_returns_every_chunk<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let all: Vec<Allocation> = [5 * MIB, 100, 7 * MIB, 64 * 1024, 33 * MIB]
+        .iter()
+        .map(|&s| pool.allocate(s).unwrap())
+        .collect();
+    for a in all {
+        pool.free(a).unwrap();
+    }
+    let reserved = pool.stats().reserved_bytes;
+    pool.trim_to(reserved - 1).unwrap();
+    assert!(
+        pool.stats().reserved_bytes < reserved,
+        "trim released nothing"
+    );
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.reserved_bytes, 0);
+    assert_eq!(st.chunks_created, st.chunks_released);
+    assert!(pool.attribute(PoolAttribute::ReservedMemHigh) >= reserved);
+    pool.set_attribute(PoolAttribute::ReservedMemHigh, 0)
+        .unwrap();
+    assert_eq!(pool.attribute(PoolAttribute::ReservedMemHigh), 0);
+    pool.audit().unwrap();
+}
+
+pub fn trim_keeps_live_chunks<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    let s = b.create_stream(DEV).unwrap();
+    let gone = pool.allocate(40 * MIB).unwrap();
+    let keep = pool.allocate(3 * MIB).unwrap();
+    fill(&**b, &s, &keep, 77);
+    pool.free(gone).unwrap();
+    pool.trim_to(0).unwrap();
+    let held = pool.stats().reserved_bytes;
+    assert!((3 * MIB..40 * MIB).contains(&held), "holds {held}");
+    check(&**b, &s, &keep, 77);
+    pool.free(keep).unwrap();
+}
+
+pub fn attributes_and_current_pool<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx.default_pool(DEV).unwrap();
+    assert_eq!(pool.attribute(PoolAttribute::ReleaseThreshold), 0);
+    for switch in [
+        PoolAttribute::ReuseFollowEventDependencies,
+        PoolAttribute::ReuseAllowOpportunistic,
+        PoolAttribute::ReuseAllowInternalDependencies,
+    ] {
+        assert_eq!(pool.attribute(switch), 1, "{switch:?} is on by default");
+        pool.set_attribute(switch, 0).unwrap();
+        assert_eq!(pool.attribute(switch), 0);
+        assert!(pool.set_attribute(switch, 2).is_err());
+    }
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, 1 << 30)
+        .unwrap();
+    assert_eq!(pool.attribute(PoolAttribute::ReleaseThreshold), 1 << 30);
+    assert!(pool
+        .set_attribute(PoolAttribute::UsedMemCurrent, 0)
+        .is_err());
+    assert!(pool.set_attribute(PoolAttribute::UsedMemHigh, 5).is_err());
+    let explicit = small_pool(&ctx);
+    ctx.set_current_pool(&explicit).unwrap();
+    let a = ctx.current_pool(DEV).unwrap().allocate(10).unwrap();
+    explicit.free(a).unwrap();
+}
+
+pub fn many_threads<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = small_pool(&ctx);
+    std::thread::scope(|scope| {
+        for t in 0..8u64 {
+            let pool = pool.clone();
+            scope.spawn(move || {
+                let mut mine = Vec::new();
+                for i in 0..300u64 {
+                    let size = 1 + (t * 7919 + i * 104_729) % (3 * MIB);
+                    mine.push(pool.allocate(size).unwrap());
+                    if mine.len() > 8 {
+                        let a = mine.swap_remove((i as usize * 31) % mine.len());
+                        pool.free(a).unwrap();
+                    }
+                }
+                for a in mine {
+                    pool.free(a).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), 0);
+    pool.audit().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+pub fn pool_limit<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx
+        .create_pool(&PoolProps {
+            max_size: Some(8 * MIB),
+            va_size: Some(1 << 30),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let a = pool.allocate(6 * MIB).unwrap();
+    assert!(matches!(
+        pool.allocate(4 * MIB),
+        Err(Error::PoolLimit { .. })
+    ));
+    pool.audit().unwrap();
+    pool.free(a).unwrap();
+    let whole = pool.allocate(8 * MIB).unwrap();
+    pool.free(whole).unwrap();
+}
+
+macro_rules! suite {
+    ($backend:ident) => {
+        mod $backend {
+            suite!(@cases $backend, [
+                sizes_and_alignment,
+                more_than_half_the_device,
+                invalid_requests,
+                small_allocations_are_packed,
+                checkerboard_is_served_by_remapping,
+                trim_returns_every_chunk,
+                trim_keeps_live_chunks,
+                attributes_and_current_pool,
+                many_threads,
+                pool_limit
+            ]);
+        }
+    };
+    (@cases $backend:ident, [$($case:ident),*]) => {
+        $(
+            #[test]
+            fn $case() {
+                super::$case(&super::open::$backend());
+            }
+        )*
+    };
+}
+
+mod open {
+    use std::sync::Arc;
+    use vmpool::vmm::host::{Host, HostConfig};
+
+    pub fn host() -> Arc<Host> {
+        Host::new(HostConfig {
+            devices: 2,
+            memory_per_device: 256 << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap()
+    }
+
+    #[cfg(feature = "gpu-tests")]
+    pub fn cuda() -> Arc<vmpool::vmm::cuda::Cuda> {
+        vmpool::vmm::cuda::Cuda::new().unwrap_or_else(|e| {
+            panic!("the gpu-tests feature is on, but no CUDA device could be opened: {e}")
+        })
+    }
+}
+
+suite!(host);
+#[cfg(feature = "gpu-tests")]
+suite!(cuda);
+
+// ---- host only: a small device, filled up, and injected faults ---------------
+
+mod small_device {
+    use super::*;
+    use vmpool::vmm::faulty::{Call, Faulty};
+    use vmpool::vmm::host::{Census, Host, HostConfig};
+
+    fn device(mib: usize) -> Arc<Host> {
+        Host::new(HostConfig {
+            devices: 1,
+            memory_per_device: mib << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn out_of_memory_reports_what_it_had() {
+        let b = device(64);
+        let ctx = Context::new(Arc::clone(&b)).unwrap();
+        let pool = ctx.default_pool(DEV).unwrap();
+        let a = pool.allocate(60 * MIB).unwrap();
+        match pool.allocate(8 * MIB) {
+            Err(Error::OutOfMemory {
+                requested,
+                reserved,
+                used,
+                device_free,
+                ..
+            }) => {
+                assert_eq!(requested, 8 * MIB);
+                assert_eq!(reserved, 60 * MIB);
+                assert_eq!(used, 60 * MIB);
+                assert_eq!(device_free, 4 * MIB);
+            }
+            r => panic!("expected out-of-memory, got {r:?}"),
+        }
+        pool.audit().unwrap();
+        // Nothing was lost: the rest of the device is still usable.
+        let rest = pool.allocate(4 * MIB).unwrap();
+        pool.free(rest).unwrap();
+        pool.free(a).unwrap();
+    }
+
+    #[test]
+    fn other_pools_release_their_unused_memory_first() {
+        let b = device(64);
+        let ctx = Context::new(Arc::clone(&b)).unwrap();
+        let hoarder = ctx.default_pool(DEV).unwrap();
+        hoarder
+            .set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+            .unwrap();
+        let held = hoarder.allocate(48 * MIB).unwrap();
+        hoarder.free(held).unwrap();
+        assert_eq!(hoarder.stats().reserved_bytes, 48 * MIB);
+        let other = ctx.create_pool(&PoolProps::new(DEV)).unwrap();
+        let a = other.allocate(40 * MIB).unwrap();
+        assert_eq!(
+            hoarder.stats().reserved_bytes,
+            0,
+            "the hoarder kept its cache"
+        );
+        other.free(a).unwrap();
+    }
+
+    #[test]
+    fn a_full_fragmented_device_still_serves_half_of_it_in_one_piece() {
+        let b = device(64);
+        let ctx = Context::new(Arc::clone(&b)).unwrap();
+        let pool = ctx
+            .create_pool(&PoolProps {
+                chunk_size: Some(2 * MIB),
+                ..PoolProps::new(DEV)
+            })
+            .unwrap();
+        let all: Vec<Allocation> = (0..32).map(|_| pool.allocate(2 * MIB).unwrap()).collect();
+        let mut keep = Vec::new();
+        for (i, a) in all.into_iter().enumerate() {
+            if i % 2 == 0 {
+                keep.push(a);
+            } else {
+                pool.free(a).unwrap();
+            }
+        }
+        assert_eq!(b.mem_info(DEV).unwrap().free, 0, "the device is full");
+        let big = pool.allocate(32 * MIB).unwrap();
+        pool.audit().unwrap();
+        pool.free(big).unwrap();
+        for a in keep {
+            pool.free(a).unwrap();
+        }
+    }
+
+    /// Grows, remaps and trims; errors are allowed (a fault was injected),
+    /// inconsistency is not.
+    fn workload<B: Backend>(pool: &vmpool::Pool<B>) {
+        let mut live = Vec::new();
+        for i in 0..24u64 {
+            if let Ok(a) = pool.allocate(MIB + (i % 5) * MIB + i * 1000) {
+                live.push(a);
+            }
+            pool.audit().unwrap();
+        }
+        // Free every other one, then ask for large ranges: remaps.
+        let mut kept = Vec::new();
+        for (i, a) in live.into_iter().enumerate() {
+            if i % 2 == 0 {
+                pool.free(a).unwrap();
+            } else {
+                kept.push(a);
+            }
+        }
+        for size in [9 * MIB, 17 * MIB, 3 * MIB] {
+            if let Ok(a) = pool.allocate(size) {
+                kept.push(a);
+            }
+            pool.audit().unwrap();
+        }
+        let _ = pool.trim_to(0);
+        pool.audit().unwrap();
+        for a in kept {
+            pool.free(a).unwrap();
+        }
+        let _ = pool.trim_to(0);
+        pool.audit().unwrap();
+    }
+
+    #[test]
+    fn every_injected_fault_leaves_the_pool_consistent_and_nothing_leaked() {
+        let mut injected = 0;
+        for call in [Call::CreateChunk, Call::Map, Call::SetAccess, Call::Unmap] {
+            for n in 0.. {
+                let host = device(128);
+                let b = Faulty::new(Arc::clone(&host));
+                b.fail_nth(call, n);
+                let fired;
+                {
+                    let ctx = Context::new(Arc::clone(&b)).unwrap();
+                    let pool = ctx
+                        .create_pool(&PoolProps {
+                            chunk_size: Some(4 * MIB),
+                            ..PoolProps::new(DEV)
+                        })
+                        .unwrap();
+                    workload(&pool);
+                    fired = b.disarm();
+                    // After the fault, the pool still works.
+                    let a = pool.allocate(5 * MIB).unwrap();
+                    pool.free(a).unwrap();
+                    pool.trim_to(0).unwrap();
+                    assert_eq!(pool.stats().reserved_bytes, 0, "{call:?} #{n}");
+                }
+                assert_eq!(host.census(), Census::default(), "{call:?} #{n} leaked");
+                if !fired {
+                    // The workload makes fewer than n such calls: all done.
+                    break;
+                }
+                injected += 1;
+            }
+        }
+        assert!(injected > 40, "only {injected} faults were injected");
+    }
+}

@@ -1,0 +1,200 @@
+//! A backend wrapper that makes a chosen driver call fail, for testing how
+//! the layers above recover. Works over any backend.
+//!
+//! ```text
+//! let b = Faulty::new(Host::new(cfg)?);
+//! b.fail_nth(Call::Map, 3);   // the 4th map from now fails, once
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::{
+    AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus, MemInfo,
+    Result,
+};
+
+/// The calls a fault can be injected into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Call {
+    Reserve,
+    FreeReservation,
+    CreateChunk,
+    ReleaseChunk,
+    Map,
+    Unmap,
+    SetAccess,
+    CreateEvent,
+    RecordEvent,
+    StreamWaitEvent,
+}
+
+impl Call {
+    pub const ALL: [Call; 10] = [
+        Call::Reserve,
+        Call::FreeReservation,
+        Call::CreateChunk,
+        Call::ReleaseChunk,
+        Call::Map,
+        Call::Unmap,
+        Call::SetAccess,
+        Call::CreateEvent,
+        Call::RecordEvent,
+        Call::StreamWaitEvent,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Call::Reserve => "reserve",
+            Call::FreeReservation => "free_reservation",
+            Call::CreateChunk => "create_chunk",
+            Call::ReleaseChunk => "release_chunk",
+            Call::Map => "map",
+            Call::Unmap => "unmap",
+            Call::SetAccess => "set_access",
+            Call::CreateEvent => "create_event",
+            Call::RecordEvent => "record_event",
+            Call::StreamWaitEvent => "stream_wait_event",
+        }
+    }
+}
+
+pub struct Faulty<B: Backend> {
+    inner: Arc<B>,
+    calls: [AtomicU64; Call::ALL.len()],
+    /// The call to fail and how many more of it to let through first.
+    armed: Mutex<Option<(Call, u64)>>,
+}
+
+impl<B: Backend> Faulty<B> {
+    pub fn new(inner: Arc<B>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            calls: Default::default(),
+            armed: Mutex::new(None),
+        })
+    }
+
+    pub fn inner(&self) -> &Arc<B> {
+        &self.inner
+    }
+
+    /// The `n`-th call of `call` from now (0: the next one) fails, once.
+    pub fn fail_nth(&self, call: Call, n: u64) {
+        *self.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((call, n));
+    }
+
+    /// Cancels the armed fault; returns whether it had fired.
+    pub fn disarm(&self) -> bool {
+        self.armed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .is_none()
+    }
+
+    /// How many times `call` was made (failed ones included).
+    pub fn count(&self, call: Call) -> u64 {
+        self.calls[call as usize].load(Ordering::Relaxed)
+    }
+
+    fn enter(&self, call: Call) -> Result<()> {
+        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+        let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
+        match &mut *armed {
+            Some((c, 0)) if *c == call => {
+                *armed = None;
+                Err(Error::rejected(
+                    call.name(),
+                    ErrorKind::Other,
+                    "injected fault",
+                ))
+            }
+            Some((c, n)) if *c == call => {
+                *n -= 1;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<B: Backend> Backend for Faulty<B> {
+    type Stream = B::Stream;
+    type Event = B::Event;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn device_count(&self) -> Result<u32> {
+        self.inner.device_count()
+    }
+    fn granularity(&self, device: DeviceId) -> Result<usize> {
+        self.inner.granularity(device)
+    }
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        self.inner.mem_info(device)
+    }
+    fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr> {
+        self.enter(Call::Reserve)?;
+        self.inner.reserve(size, alignment)
+    }
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
+        self.enter(Call::FreeReservation)?;
+        self.inner.free_reservation(base, size)
+    }
+    fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        self.enter(Call::CreateChunk)?;
+        self.inner.create_chunk(device, size)
+    }
+    fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {
+        self.enter(Call::ReleaseChunk)?;
+        self.inner.release_chunk(chunk)
+    }
+    fn map(&self, va: DevicePtr, chunk: ChunkHandle) -> Result<()> {
+        self.enter(Call::Map)?;
+        self.inner.map(va, chunk)
+    }
+    fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
+        self.enter(Call::Unmap)?;
+        self.inner.unmap(va, size)
+    }
+    fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()> {
+        self.enter(Call::SetAccess)?;
+        self.inner.set_access(va, size, access)
+    }
+    fn create_stream(&self, device: DeviceId) -> Result<B::Stream> {
+        self.inner.create_stream(device)
+    }
+    fn synchronize_stream(&self, stream: &B::Stream) -> Result<()> {
+        self.inner.synchronize_stream(stream)
+    }
+    fn create_event(&self, device: DeviceId) -> Result<B::Event> {
+        self.enter(Call::CreateEvent)?;
+        self.inner.create_event(device)
+    }
+    fn record_event(&self, event: &B::Event, stream: &B::Stream) -> Result<()> {
+        self.enter(Call::RecordEvent)?;
+        self.inner.record_event(event, stream)
+    }
+    fn query_event(&self, event: &B::Event) -> Result<EventStatus> {
+        self.inner.query_event(event)
+    }
+    fn synchronize_event(&self, event: &B::Event) -> Result<()> {
+        self.inner.synchronize_event(event)
+    }
+    fn stream_wait_event(&self, stream: &B::Stream, event: &B::Event) -> Result<()> {
+        self.enter(Call::StreamWaitEvent)?;
+        self.inner.stream_wait_event(stream, event)
+    }
+    fn fill_u32(&self, stream: &B::Stream, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
+        self.inner.fill_u32(stream, dst, count, value)
+    }
+    fn copy_to_host(&self, stream: &B::Stream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        self.inner.copy_to_host(stream, src, dst)
+    }
+    fn delay(&self, stream: &B::Stream, duration: Duration) -> Result<()> {
+        self.inner.delay(stream, duration)
+    }
+}
