@@ -14,5 +14,7 @@ pub mod trace;
 
 pub use context::Context;
 pub use error::{Error, Result};
-pub use pool::{Allocation, Pool, PoolAttribute, PoolProps, PoolStats, SMALL_LIMIT};
+pub use pool::{
+    Allocation, Pool, PoolAttribute, PoolProps, PoolStats, DEFAULT_CHUNK_SIZE, SMALL_LIMIT,
+};
 pub use vmm;

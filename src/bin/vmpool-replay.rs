@@ -45,7 +45,7 @@ struct Args {
     backend: BackendKind,
     #[arg(long, value_enum, default_value = "vmpool")]
     allocator: AllocatorKind,
-    /// Chunk size for growth, bytes (default: the granularity).
+    /// Largest growth chunk, bytes (default: vmpool::DEFAULT_CHUNK_SIZE).
     #[arg(long)]
     chunk_size: Option<u64>,
     /// Print one JSON object instead of text.
@@ -64,6 +64,7 @@ struct Report {
     chunks_created: u64,
     chunks_released: u64,
     grows: u64,
+    grow_nanos: u64,
     maps: u64,
 }
 
@@ -121,6 +122,7 @@ fn replay_vmpool<B: Backend>(
         chunks_created: stats.chunks_created,
         chunks_released: stats.chunks_released,
         grows: stats.grows,
+        grow_nanos: stats.grow_nanos,
         maps: stats.maps,
     })
 }
@@ -264,6 +266,7 @@ fn main() -> Result<()> {
                 "chunks_created": report.chunks_created,
                 "chunks_released": report.chunks_released,
                 "grows": report.grows,
+                "grow_ns_per_op": report.grow_nanos as f64 / report.ops as f64,
                 "maps": report.maps,
             })
         );
@@ -284,6 +287,10 @@ fn main() -> Result<()> {
             report.chunks_created, report.chunks_released
         );
         println!("grows / maps    {:>14} / {}", report.grows, report.maps);
+        println!(
+            "growing         {:>14.1} ns per op of the above",
+            report.grow_nanos as f64 / report.ops as f64
+        );
     }
     Ok(())
 }

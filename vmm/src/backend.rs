@@ -100,6 +100,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies `dst.len()` bytes from `src` after the work queued on `stream`,
     /// and returns once they are in `dst`.
     fn copy_to_host(&self, stream: &Self::Stream, src: DevicePtr, dst: &mut [u8]) -> Result<()>;
-    /// Queues work that keeps `stream` busy for `duration`.
+    /// Queues work that keeps `stream` busy for `duration`. (The CUDA
+    /// backend compiles its spin kernel on the first call, about 0.1 s.)
     fn delay(&self, stream: &Self::Stream, duration: Duration) -> Result<()>;
 }
