@@ -637,6 +637,11 @@ impl<B: Backend> Inner<B> {
                 Source::Unit { va, size } => {
                     self.stats.remaps += 1;
                     self.stats.bytes_remapped += size;
+                    tracing::debug!(
+                        from = format_args!("{va:#x}"),
+                        size,
+                        "remapping a free unit"
+                    );
                     moved.remove(&va)
                 }
                 Source::New { size } => match self.create_chunk(space, size) {
