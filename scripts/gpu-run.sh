@@ -3,7 +3,7 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [replay]   (default: all three)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay]   (default: all)
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
@@ -36,7 +36,7 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
-jobs=${*:-tests examples replay}
+jobs=${*:-tests examples bench replay}
 for job in $jobs; do
     case $job in
     tests)
@@ -48,6 +48,10 @@ for job in $jobs; do
         for exe in "$here"/examples/*; do
             run "example $(basename "$exe")" "$exe"
         done
+        ;;
+    bench)
+        run "bench" "$here/bin/vmpool-bench" --backend cuda
+        run "bench (json)" "$here/bin/vmpool-bench" --backend cuda --json
         ;;
     replay)
         for trace in "$here"/traces/*; do

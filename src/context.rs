@@ -1,11 +1,14 @@
 //! The per-process view of the devices: each device's pools, its default
-//! pool and its current pool (as CUDA keeps them per device).
+//! pool and its current pool (as CUDA keeps them per device), and the
+//! stream-ordered front end: streams, events, synchronization, and
+//! `alloc_async` / `free_async` on the current pool.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, Weak};
 
-use vmm::{Backend, DeviceId};
+use vmm::{Backend, DeviceId, EventStatus};
 
-use crate::pool::{Pool, PoolProps, Siblings};
+use crate::pool::{Allocation, Pool, PoolProps, Shared, Siblings};
+use crate::stream::{lock, Event, Stream, StreamShared};
 use crate::{Error, Result};
 
 struct DeviceSlot<B: Backend> {
@@ -14,15 +17,13 @@ struct DeviceSlot<B: Backend> {
     pools: Arc<Siblings<B>>,
     default: Mutex<Option<Pool<B>>>,
     current: Mutex<Option<Pool<B>>>,
+    /// The streams made on the device, for a device-wide synchronize.
+    streams: Mutex<Vec<Weak<StreamShared<B>>>>,
 }
 
 pub struct Context<B: Backend> {
     backend: Arc<B>,
     devices: Vec<DeviceSlot<B>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<B: Backend> Context<B> {
@@ -32,6 +33,7 @@ impl<B: Backend> Context<B> {
                 pools: Arc::default(),
                 default: Mutex::new(None),
                 current: Mutex::new(None),
+                streams: Mutex::new(Vec::new()),
             })
             .collect();
         Ok(Self { backend, devices })
@@ -76,6 +78,124 @@ impl<B: Backend> Context<B> {
     /// Makes `pool` the current pool of its device.
     pub fn set_current_pool(&self, pool: &Pool<B>) -> Result<()> {
         *lock(&self.slot(pool.device())?.current) = Some(pool.clone());
+        Ok(())
+    }
+
+    // ---- the stream-ordered front end ------------------------------------
+
+    pub fn create_stream(&self, device: DeviceId) -> Result<Stream<B>> {
+        let slot = self.slot(device)?;
+        let stream = Stream::new(self.backend.create_stream(device)?, device);
+        let mut streams = lock(&slot.streams);
+        streams.retain(|w| w.strong_count() > 0);
+        streams.push(Arc::downgrade(&stream.0));
+        Ok(stream)
+    }
+
+    pub fn create_event(&self, device: DeviceId) -> Result<Event<B>> {
+        self.slot(device)?;
+        Ok(Event::new(self.backend.create_event(device)?, device))
+    }
+
+    /// Records `event` on `stream`: it captures the work queued so far.
+    pub fn record_event(&self, event: &Event<B>, stream: &Stream<B>) -> Result<()> {
+        self.backend.record_event(&event.raw, &stream.0.raw)?;
+        event.capture(&stream.0);
+        Ok(())
+    }
+
+    /// Makes `stream` wait for what `event` captured. vmpool notes the
+    /// dependency: memory freed on the event's stream before the record may
+    /// now be reused on `stream` (follow event dependencies).
+    pub fn stream_wait_event(&self, stream: &Stream<B>, event: &Event<B>) -> Result<()> {
+        self.backend.stream_wait_event(&stream.0.raw, &event.raw)?;
+        event.order_after(&stream.0);
+        Ok(())
+    }
+
+    /// Complete, pending, or the error of the work the event captured.
+    pub fn query_event(&self, event: &Event<B>) -> Result<EventStatus> {
+        Ok(self.backend.query_event(&event.raw)?)
+    }
+
+    /// Waits for `stream`; then its stream-ordered frees are free for every
+    /// stream, and every pool trims itself to its release threshold.
+    pub fn synchronize_stream(&self, stream: &Stream<B>) -> Result<()> {
+        let upto = stream.0.current_seq();
+        self.backend.synchronize_stream(&stream.0.raw)?;
+        self.passed(stream.0.id, upto)
+    }
+
+    /// Waits for what `event` captured; frees before it are then free for
+    /// every stream, and every pool trims itself to its release threshold.
+    pub fn synchronize_event(&self, event: &Event<B>) -> Result<()> {
+        let captured = event.captured();
+        self.backend.synchronize_event(&event.raw)?;
+        match captured {
+            Some((stream, seq)) => self.passed(stream, seq),
+            None => self.passed(0, 0),
+        }
+    }
+
+    /// Waits for every stream vmpool made on `device` (streams made
+    /// elsewhere are not known to it), with the effects of
+    /// [`Context::synchronize_stream`] for each.
+    pub fn synchronize_device(&self, device: DeviceId) -> Result<()> {
+        let streams: Vec<Arc<StreamShared<B>>> = lock(&self.slot(device)?.streams)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for stream in streams {
+            self.synchronize_stream(&Stream(stream))?;
+        }
+        Ok(())
+    }
+
+    /// Allocates on the current pool of `stream`'s device, in stream order
+    /// (`cudaMallocAsync`).
+    pub fn alloc_async(&self, size: u64, stream: &Stream<B>) -> Result<Allocation> {
+        self.current_pool(stream.device())?
+            .allocate_async(size, stream)
+    }
+
+    /// Allocates from `pool` in stream order (`cudaMallocFromPoolAsync`).
+    pub fn alloc_from_pool_async(
+        &self,
+        size: u64,
+        pool: &Pool<B>,
+        stream: &Stream<B>,
+    ) -> Result<Allocation> {
+        pool.allocate_async(size, stream)
+    }
+
+    /// Frees in stream order to the allocation's own pool (`cudaFreeAsync`).
+    pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
+        match self.pools().into_iter().find(|p| p.owns(&allocation)) {
+            Some(pool) => pool.free_async(allocation, stream),
+            None => Err(Error::WrongPool {
+                ptr: allocation.ptr().0,
+            }),
+        }
+    }
+
+    fn pools(&self) -> Vec<Pool<B>> {
+        self.devices
+            .iter()
+            .flat_map(|slot| {
+                lock(&slot.pools)
+                    .iter()
+                    .filter_map(Weak::upgrade)
+                    .collect::<Vec<Arc<Shared<B>>>>()
+            })
+            .map(Pool::from_shared)
+            .collect()
+    }
+
+    /// The work of stream `stream` has run up to position `upto`.
+    fn passed(&self, stream: u64, upto: u64) -> Result<()> {
+        for pool in self.pools() {
+            pool.stream_passed(stream, upto)?;
+        }
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ mod error;
 mod heap;
 mod plan;
 mod pool;
+mod stream;
 pub mod trace;
 
 pub use context::Context;
@@ -17,4 +18,5 @@ pub use error::{Error, Result};
 pub use pool::{
     Allocation, Pool, PoolAttribute, PoolProps, PoolStats, DEFAULT_CHUNK_SIZE, SMALL_LIMIT,
 };
+pub use stream::{Event, Stream};
 pub use vmm;

@@ -26,15 +26,17 @@
 //! its last piece (mapped or spare) is dropped, which is when the driver
 //! frees it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use rustc_hash::FxHashMap;
 use vmm::memory::{Chunk, Mapping, Reservation};
-use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind};
+use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, EventStatus};
 
 use crate::heap::{BlockId, Heap, QUANTUM};
 use crate::plan::{self, Plan, Source};
+use crate::stream::{lock, Stream, StreamShared};
 use crate::{Error, Result};
 
 /// Properties fixed when a pool is created (as `cudaMemPoolProps`).
@@ -111,6 +113,17 @@ pub struct PoolStats {
     pub maps: u64,
     pub unmaps: u64,
     pub trims: u64,
+    /// Stream-ordered allocations served by memory freed on the same stream.
+    pub same_stream_reuses: u64,
+    /// ... by memory freed on a stream they were ordered after by an event.
+    pub dependency_reuses: u64,
+    /// Stream-ordered frees moved back to the heap because their stream
+    /// had passed them (their event completed, or a synchronization).
+    pub frees_completed: u64,
+    /// ... by memory freed on another stream, after making them wait for it.
+    pub waits_inserted: u64,
+    /// Events recorded on streams to learn when their frees complete.
+    pub events_recorded: u64,
     /// Current state.
     pub reserved_bytes: u64,
     pub used_bytes: u64,
@@ -118,6 +131,8 @@ pub struct PoolStats {
     pub spare_bytes: u64,
     pub units: u64,
     pub largest_free_range: u64,
+    /// Freed in stream order, waiting for their stream to pass the free.
+    pub pending_bytes: u64,
 }
 
 /// A live allocation. Not `Clone`: it is consumed by [`Pool::free`], so a
@@ -170,6 +185,52 @@ struct Arena {
     chunk_size: u64,
 }
 
+/// A block freed on a stream, not yet known to be free for every stream.
+struct Pending {
+    arena: usize,
+    block: BlockId,
+    ptr: u64,
+    size: u64,
+    /// The stream's position at the free.
+    seq: u64,
+}
+
+/// The frees one stream has made in this pool that are still pending.
+struct StreamFrees<B: Backend> {
+    /// Keeps the stream alive while its frees are pending, so that events
+    /// can be recorded on it.
+    stream: Arc<StreamShared<B>>,
+    /// By size, most recent last: the same-stream hot path pops from here.
+    by_size: FxHashMap<u64, Vec<Pending>>,
+    /// Events recorded on the stream after some of these frees, oldest
+    /// first, with the position each captured.
+    events: VecDeque<(u64, B::Event)>,
+    /// Position of the latest free.
+    last_free: u64,
+    bytes: u64,
+}
+
+impl<B: Backend> StreamFrees<B> {
+    fn take(&mut self, size: u64, upto: u64) -> Option<Pending> {
+        let list = self.by_size.get_mut(&size)?;
+        let i = list.iter().rposition(|p| p.seq <= upto)?;
+        let p = list.remove(i);
+        self.bytes -= p.size;
+        Some(p)
+    }
+
+    /// Sizes present, for a near fit.
+    fn near_size(&self, size: u64, upto: u64) -> Option<u64> {
+        self.by_size
+            .iter()
+            .filter(|(&s, list)| {
+                s >= size && s <= size + size / 8 && list.iter().any(|p| p.seq <= upto)
+            })
+            .map(|(&s, _)| s)
+            .min()
+    }
+}
+
 struct Inner<B: Backend> {
     /// Small, then large.
     arenas: [Arena; 2],
@@ -188,6 +249,10 @@ struct Inner<B: Backend> {
     release_threshold: u64,
     reuse: [bool; 3],
     stats: PoolStats,
+    /// Stream-ordered frees not yet free for every stream, by stream id.
+    frees: FxHashMap<u64, StreamFrees<B>>,
+    /// Events not in use, kept because creating them costs a driver call.
+    idle_events: Vec<B::Event>,
 }
 
 pub(crate) struct Shared<B: Backend> {
@@ -271,6 +336,8 @@ impl<B: Backend> Pool<B> {
                 release_threshold: 0,
                 reuse: [true; 3],
                 stats: PoolStats::default(),
+                frees: FxHashMap::default(),
+                idle_events: Vec::new(),
             }),
             siblings: Arc::downgrade(siblings),
         });
@@ -279,6 +346,14 @@ impl<B: Backend> Pool<B> {
         list.push(Arc::downgrade(&shared));
         tracing::debug!(pool = shared.id, %device, va_size, chunk_size, "pool created");
         Ok(Self(shared))
+    }
+
+    pub(crate) fn from_shared(shared: Arc<Shared<B>>) -> Self {
+        Self(shared)
+    }
+
+    pub(crate) fn owns(&self, allocation: &Allocation) -> bool {
+        allocation.pool == self.0.id
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<B>> {
@@ -296,10 +371,47 @@ impl<B: Backend> Pool<B> {
         &self.0.space.backend
     }
 
-    /// Allocates `size` bytes, aligned to 256. Grows, defragments and, when
-    /// the device is full, asks every pool on it to release unused memory
-    /// before it gives up.
+    /// Allocates `size` bytes, aligned to 256, for use right away (no stream
+    /// order). Grows, defragments and, when the device is full, asks every
+    /// pool on it to release unused memory before it gives up.
     pub fn allocate(&self, size: u64) -> Result<Allocation> {
+        self.allocate_with(size, None)
+    }
+
+    /// Allocates `size` bytes for use in stream order on `stream`
+    /// (`cudaMallocFromPoolAsync`). The call returns at once; errors are
+    /// returned here, never later. Memory freed on `stream` is reused at
+    /// once; memory freed on other streams as the pool's reuse switches
+    /// allow (SPEC.md section 3), possibly by making `stream` wait for the
+    /// free.
+    pub fn allocate_async(&self, size: u64, stream: &Stream<B>) -> Result<Allocation> {
+        self.allocate_with(size, Some(&stream.0))
+    }
+
+    /// Frees `allocation` in stream order on `stream`: the memory goes back
+    /// to the pool once the work queued on `stream` so far has run. The
+    /// stream must be ordered after every use of the allocation.
+    pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
+        if allocation.pool != self.0.id {
+            return Err(Error::WrongPool {
+                ptr: allocation.ptr.0,
+            });
+        }
+        tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
+        self.lock().free_async(
+            allocation.arena,
+            allocation.block,
+            allocation.ptr.0,
+            &stream.0,
+        );
+        Ok(())
+    }
+
+    fn allocate_with(
+        &self,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
         let va_size = self.0.space.reservation.size() as u64;
         if size == 0 {
             return Err(Error::InvalidSize {
@@ -317,7 +429,7 @@ impl<B: Backend> Pool<B> {
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
-            match inner.allocate(&self.0.space, rounded) {
+            match inner.allocate(&self.0.space, rounded, stream) {
                 Ok((addr, arena, block)) => {
                     tracing::trace!(
                         pool = self.0.id,
@@ -334,6 +446,8 @@ impl<B: Backend> Pool<B> {
                     });
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
+                    // Pending frees become free once their streams finish.
+                    inner.wait_for_pending_frees(&self.0.space.backend);
                     drop(inner);
                     tracing::debug!(
                         pool = self.0.id,
@@ -373,6 +487,15 @@ impl<B: Backend> Pool<B> {
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.lock().free(allocation.arena, allocation.block);
         Ok(())
+    }
+
+    /// Releases the stream-ordered frees of `stream` up to position `upto`
+    /// (its work has run that far), then trims to the release threshold.
+    pub(crate) fn stream_passed(&self, stream: u64, upto: u64) -> Result<()> {
+        let mut inner = self.lock();
+        inner.release_pending(stream, upto);
+        let keep = inner.release_threshold;
+        inner.trim_to(keep)
     }
 
     /// Releases unused physical memory until the pool holds at most
@@ -456,6 +579,7 @@ impl<B: Backend> Pool<B> {
                 .map(|a| a.heap.largest_free())
                 .max()
                 .unwrap_or(0),
+            pending_bytes: inner.frees.values().map(|f| f.bytes).sum(),
             ..inner.stats.clone()
         }
     }
@@ -467,10 +591,53 @@ impl<B: Backend> Pool<B> {
     }
 }
 
+impl<B: Backend> Drop for Shared<B> {
+    /// Memory freed in stream order may still be in use on its stream:
+    /// wait for those streams before the mappings go.
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        inner.wait_for_pending_frees(&self.space.backend);
+    }
+}
+
 impl<B: Backend> Inner<B> {
-    fn allocate(&mut self, space: &Space<B>, size: u64) -> Result<(u64, usize, BlockId)> {
+    fn allocate(
+        &mut self,
+        space: &Space<B>,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<(u64, usize, BlockId)> {
         let arena = usize::from(size >= SMALL_LIMIT);
-        let (addr, block) = match self.arenas[arena].heap.alloc(size) {
+        if let Some(s) = stream {
+            // The hot path: memory this stream freed, reused in its order.
+            if let Some(p) = self
+                .frees
+                .get_mut(&s.id)
+                .and_then(|f| f.take(size, u64::MAX))
+            {
+                self.stats.same_stream_reuses += 1;
+                return Ok(self.hand_out(p));
+            }
+            if self.reuse[1] {
+                self.collect_completed(space)?;
+            }
+        }
+        let found = match self.arenas[arena].heap.alloc(size) {
+            Some(found) => Some(found),
+            None => match stream {
+                Some(s) => {
+                    if let Some(p) = self.reuse_pending(space, size, s)? {
+                        return Ok(self.hand_out(p));
+                    }
+                    if self.reuse[1] {
+                        self.record_pending(space)?;
+                    }
+                    None
+                }
+                None => None,
+            },
+        };
+        let (addr, block) = match found {
             Some(found) => found,
             None => {
                 let started = std::time::Instant::now();
@@ -485,6 +652,207 @@ impl<B: Backend> Inner<B> {
         Ok((addr, arena, block))
     }
 
+    fn hand_out(&mut self, p: Pending) -> (u64, usize, BlockId) {
+        self.used += p.size;
+        self.used_high = self.used_high.max(self.used);
+        self.stats.allocations += 1;
+        (p.ptr, p.arena, p.block)
+    }
+
+    fn free_async(
+        &mut self,
+        arena: usize,
+        block: BlockId,
+        ptr: u64,
+        stream: &Arc<StreamShared<B>>,
+    ) {
+        let (_, size) = self.arenas[arena].heap.span(block);
+        let seq = stream.next_seq();
+        let frees = self.frees.entry(stream.id).or_insert_with(|| StreamFrees {
+            stream: Arc::clone(stream),
+            by_size: FxHashMap::default(),
+            events: VecDeque::new(),
+            last_free: 0,
+            bytes: 0,
+        });
+        frees.by_size.entry(size).or_default().push(Pending {
+            arena,
+            block,
+            ptr,
+            size,
+            seq,
+        });
+        frees.last_free = seq;
+        frees.bytes += size;
+        self.used -= size;
+        self.stats.frees += 1;
+    }
+
+    /// Moves the pending frees whose events have completed back to the heap
+    /// (opportunistic reuse). An event that reports an error fails the call.
+    #[cold]
+    fn collect_completed(&mut self, space: &Space<B>) -> Result<()> {
+        let mut passed = Vec::new();
+        for (&id, f) in &self.frees {
+            let mut upto = 0;
+            for (seq, event) in &f.events {
+                match space.backend.query_event(event)? {
+                    EventStatus::Complete => upto = *seq,
+                    EventStatus::Pending => break,
+                }
+            }
+            if upto > 0 {
+                passed.push((id, upto));
+            }
+        }
+        for (id, upto) in passed {
+            self.release_pending(id, upto);
+        }
+        Ok(())
+    }
+
+    /// Memory freed on other streams that `stream` may take without growing
+    /// the pool: first what it is already ordered after (follow event
+    /// dependencies), then anything, after making it wait (internal
+    /// dependencies). Exact sizes, or up to 1/8 larger.
+    #[cold]
+    fn reuse_pending(
+        &mut self,
+        space: &Space<B>,
+        size: u64,
+        stream: &Arc<StreamShared<B>>,
+    ) -> Result<Option<Pending>> {
+        // Its own frees of a near size.
+        if let Some(f) = self.frees.get_mut(&stream.id) {
+            if let Some(near) = f.near_size(size, u64::MAX) {
+                self.stats.same_stream_reuses += 1;
+                return Ok(f.take(near, u64::MAX));
+            }
+        }
+        if self.reuse[0] {
+            let clock = lock(&stream.clock).clone();
+            for (&id, f) in self.frees.iter_mut() {
+                let upto = clock.get(id);
+                if id == stream.id || upto == 0 {
+                    continue;
+                }
+                if let Some(near) = f.near_size(size, upto) {
+                    self.stats.dependency_reuses += 1;
+                    return Ok(f.take(near, upto));
+                }
+            }
+        }
+        if self.reuse[2] {
+            let candidate = self
+                .frees
+                .iter()
+                .filter(|(&id, _)| id != stream.id)
+                .find_map(|(&id, f)| f.near_size(size, u64::MAX).map(|near| (id, near)));
+            if let Some((id, near)) = candidate {
+                let event_seq = self.event_after_frees(space, id)?;
+                let f = self.frees.get_mut(&id).expect("found above");
+                let (_, event) = f
+                    .events
+                    .iter()
+                    .find(|(seq, _)| *seq == event_seq)
+                    .expect("recorded above");
+                space.backend.stream_wait_event(&stream.raw, event)?;
+                lock(&stream.clock).advance(id, event_seq);
+                self.stats.waits_inserted += 1;
+                return Ok(f.take(near, event_seq));
+            }
+        }
+        Ok(None)
+    }
+
+    /// An event on stream `id` that captures all its frees so far; records
+    /// one if the latest does not. Returns the position it captured.
+    fn event_after_frees(&mut self, space: &Space<B>, id: u64) -> Result<u64> {
+        let f = self.frees.get_mut(&id).expect("caller checked");
+        if let Some((seq, _)) = f.events.back() {
+            if *seq >= f.last_free {
+                return Ok(*seq);
+            }
+        }
+        let event = match self.idle_events.pop() {
+            Some(event) => event,
+            None => space.backend.create_event(f.stream.device)?,
+        };
+        let seq = f.stream.next_seq();
+        if let Err(err) = space.backend.record_event(&event, &f.stream.raw) {
+            self.idle_events.push(event);
+            return Err(err.into());
+        }
+        f.events.push_back((seq, event));
+        self.stats.events_recorded += 1;
+        Ok(seq)
+    }
+
+    /// Records an event after the latest free of every stream that has
+    /// none, so that a later miss can tell when those frees complete. Done
+    /// on misses only: the same-stream path records nothing.
+    #[cold]
+    fn record_pending(&mut self, space: &Space<B>) -> Result<()> {
+        let ids: Vec<u64> = self.frees.keys().copied().collect();
+        for id in ids {
+            self.event_after_frees(space, id)?;
+        }
+        Ok(())
+    }
+
+    /// Frees of stream `id` up to position `upto` are free for everyone:
+    /// back to the heap; the events that captured no later position are idle.
+    fn release_pending(&mut self, id: u64, upto: u64) {
+        let Some(f) = self.frees.get_mut(&id) else {
+            return;
+        };
+        let mut released = Vec::new();
+        for list in f.by_size.values_mut() {
+            list.retain(|p| {
+                let done = p.seq <= upto;
+                if done {
+                    released.push((p.arena, p.block, p.size));
+                }
+                !done
+            });
+        }
+        f.by_size.retain(|_, list| !list.is_empty());
+        while f.events.front().is_some_and(|(seq, _)| *seq <= upto) {
+            let (_, event) = f.events.pop_front().expect("checked");
+            self.idle_events.push(event);
+        }
+        for &(_, _, size) in &released {
+            f.bytes -= size;
+        }
+        if f.by_size.is_empty() {
+            // Nothing pending: let go of the stream (and its events).
+            let f = self.frees.remove(&id).expect("present");
+            self.idle_events
+                .extend(f.events.into_iter().map(|(_, e)| e));
+        }
+        for (arena, block, _) in released {
+            self.arenas[arena].heap.free(block);
+            self.stats.frees_completed += 1;
+        }
+    }
+
+    /// Blocks until every stream with pending frees has run past them, and
+    /// releases them all (the last resort before out-of-memory, and drop).
+    fn wait_for_pending_frees(&mut self, backend: &Arc<B>) {
+        let streams: Vec<(u64, Arc<StreamShared<B>>)> = self
+            .frees
+            .iter()
+            .map(|(&id, f)| (id, Arc::clone(&f.stream)))
+            .collect();
+        for (id, stream) in streams {
+            let upto = stream.current_seq();
+            match backend.synchronize_stream(&stream.raw) {
+                Ok(()) => self.release_pending(id, upto),
+                Err(err) => tracing::warn!(%err, "a stream with pending frees failed"),
+            }
+        }
+    }
+
     fn free(&mut self, arena: usize, block: BlockId) {
         let heap = &mut self.arenas[arena].heap;
         let (_, size) = heap.span(block);
@@ -496,6 +864,7 @@ impl<B: Backend> Inner<B> {
     /// Maps new space so that a free block of at least `size` bytes exists,
     /// and returns it. On failure the tables are consistent and every chunk
     /// is still accounted for (mapped, spare or released).
+    #[cold]
     fn grow(&mut self, space: &Space<B>, arena: usize, size: u64) -> Result<BlockId> {
         let plan = self.plan(space, arena, size)?;
         let span = tracing::debug_span!(

@@ -1,0 +1,368 @@
+//! The stream-ordered front end (SPEC.md section 3), point by point, on
+//! every backend: the host backend always, CUDA with `--features gpu-tests`.
+//! The seed article's samples are here too: the in-order reuse loop with
+//! and without a release threshold, and a library function that allocates
+//! in function scope on its caller's stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmpool::vmm::{Backend, DeviceId};
+use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, Stream, DEFAULT_CHUNK_SIZE};
+
+const DEV: DeviceId = DeviceId(0);
+const MIB: u64 = 1 << 20;
+/// One whole growth chunk: an allocation of this size leaves no free space
+/// in the heap, so the next one must reuse a free or grow.
+const WHOLE: u64 = DEFAULT_CHUNK_SIZE;
+const LATE: Duration = Duration::from_millis(300);
+
+fn fill<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
+    b.fill_u32(s.raw(), a.ptr(), (a.size() / 4) as usize, value)
+        .unwrap();
+}
+
+/// Every word of the allocation, read in `s`'s order.
+fn assert_holds<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
+    let len = (a.size() / 4 * 4) as usize;
+    let mut bytes = vec![0u8; len];
+    b.copy_to_host(s.raw(), a.ptr(), &mut bytes).unwrap();
+    assert!(
+        bytes == value.to_ne_bytes().repeat(len / 4),
+        "{} does not hold {value:#x} throughout",
+        a.ptr()
+    );
+}
+
+fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Pool<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(8 << 30),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    for (attr, on) in [
+        PoolAttribute::ReuseFollowEventDependencies,
+        PoolAttribute::ReuseAllowOpportunistic,
+        PoolAttribute::ReuseAllowInternalDependencies,
+    ]
+    .into_iter()
+    .zip(switches)
+    {
+        pool.set_attribute(attr, on).unwrap();
+    }
+    ctx.set_current_pool(&pool).unwrap();
+    (ctx, pool)
+}
+
+const ALL_ON: [u64; 3] = [1, 1, 1];
+const ALL_OFF: [u64; 3] = [0, 0, 0];
+
+pub fn same_stream_reuse_without_synchronization<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, ALL_ON);
+    let s = ctx.create_stream(DEV).unwrap();
+    let a = ctx.alloc_async(MIB, &s).unwrap();
+    let first = a.ptr();
+    fill(&**b, &s, &a, 0xAAAA);
+    ctx.free_async(a, &s).unwrap();
+    let before = pool.stats();
+    let again = ctx.alloc_async(MIB, &s).unwrap();
+    assert_eq!(again.ptr(), first, "the same stream did not reuse its free");
+    fill(&**b, &s, &again, 0xBBBB);
+    assert_holds(&**b, &s, &again, 0xBBBB);
+    let after = pool.stats();
+    assert_eq!(after.same_stream_reuses, before.same_stream_reuses + 1);
+    assert_eq!(after.chunks_created, before.chunks_created);
+    ctx.free_async(again, &s).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+/// Stream A runs late, then writes its block and frees it; stream B, with
+/// no dependency on A, allocates the same size and writes. A's late write
+/// must never land on B's data.
+fn race<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats) {
+    let (ctx, pool) = setup(b, switches);
+    let (sa, sb) = (
+        ctx.create_stream(DEV).unwrap(),
+        ctx.create_stream(DEV).unwrap(),
+    );
+    let a = ctx.alloc_async(WHOLE, &sa).unwrap();
+    let a_ptr = a.ptr();
+    b.delay(sa.raw(), LATE).unwrap();
+    fill(&**b, &sa, &a, 0xA1A1_A1A1);
+    ctx.free_async(a, &sa).unwrap();
+    let bb = ctx.alloc_async(WHOLE, &sb).unwrap();
+    let same = bb.ptr() == a_ptr;
+    fill(&**b, &sb, &bb, 0xB2B2_B2B2);
+    // Read after A's late write has surely happened.
+    ctx.synchronize_stream(&sa).unwrap();
+    assert_holds(&**b, &sb, &bb, 0xB2B2_B2B2);
+    ctx.free_async(bb, &sb).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+    pool.audit().unwrap();
+    (same, pool.stats())
+}
+
+pub fn cross_stream_race_with_switches_on<B: Backend>(b: &Arc<B>) {
+    let (same, stats) = race(b, ALL_ON);
+    // Either other memory, or the same memory after a wait for A's free.
+    assert!(
+        !same || stats.waits_inserted == 1,
+        "reused without waiting: {stats:?}"
+    );
+}
+
+pub fn cross_stream_race_with_switches_off<B: Backend>(b: &Arc<B>) {
+    let (same, stats) = race(b, ALL_OFF);
+    assert!(!same, "B got A's memory before any synchronization");
+    assert_eq!(stats.waits_inserted, 0);
+    assert_eq!(stats.chunks_created, 2);
+}
+
+pub fn internal_dependency_reuses_instead_of_growing<B: Backend>(b: &Arc<B>) {
+    let (same, stats) = race(b, [0, 0, 1]);
+    assert!(
+        same,
+        "with internal dependencies on, B should wait and reuse"
+    );
+    assert_eq!(stats.waits_inserted, 1);
+    assert_eq!(stats.chunks_created, 1);
+}
+
+pub fn explicit_event_dependency_is_followed<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, [1, 0, 0]);
+    let (sa, sb) = (
+        ctx.create_stream(DEV).unwrap(),
+        ctx.create_stream(DEV).unwrap(),
+    );
+    let a = ctx.alloc_async(WHOLE, &sa).unwrap();
+    let a_ptr = a.ptr();
+    b.delay(sa.raw(), LATE).unwrap();
+    fill(&**b, &sa, &a, 1);
+    ctx.free_async(a, &sa).unwrap();
+    let e = ctx.create_event(DEV).unwrap();
+    ctx.record_event(&e, &sa).unwrap();
+    ctx.stream_wait_event(&sb, &e).unwrap();
+    let bb = ctx.alloc_async(WHOLE, &sb).unwrap();
+    assert_eq!(
+        bb.ptr(),
+        a_ptr,
+        "B waits on A's event but did not get A's memory"
+    );
+    fill(&**b, &sb, &bb, 2);
+    assert_holds(&**b, &sb, &bb, 2);
+    assert_eq!(pool.stats().dependency_reuses, 1);
+    assert_eq!(pool.stats().chunks_created, 1);
+    ctx.free_async(bb, &sb).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+}
+
+pub fn dependencies_follow_a_chain_of_streams<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, [1, 0, 0]);
+    let s: Vec<Stream<B>> = (0..3).map(|_| ctx.create_stream(DEV).unwrap()).collect();
+    let a = ctx.alloc_async(WHOLE, &s[0]).unwrap();
+    let a_ptr = a.ptr();
+    b.delay(s[0].raw(), LATE).unwrap();
+    ctx.free_async(a, &s[0]).unwrap();
+    let e1 = ctx.create_event(DEV).unwrap();
+    ctx.record_event(&e1, &s[0]).unwrap();
+    ctx.stream_wait_event(&s[1], &e1).unwrap();
+    let e2 = ctx.create_event(DEV).unwrap();
+    ctx.record_event(&e2, &s[1]).unwrap();
+    ctx.stream_wait_event(&s[2], &e2).unwrap();
+    let c = ctx.alloc_async(WHOLE, &s[2]).unwrap();
+    assert_eq!(
+        c.ptr(),
+        a_ptr,
+        "the dependency did not carry along the chain"
+    );
+    assert_eq!(pool.stats().dependency_reuses, 1);
+    ctx.free_async(c, &s[2]).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+}
+
+pub fn completed_frees_are_reused_opportunistically<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, [0, 1, 0]);
+    let (sa, sb) = (
+        ctx.create_stream(DEV).unwrap(),
+        ctx.create_stream(DEV).unwrap(),
+    );
+    let a = ctx.alloc_async(WHOLE, &sa).unwrap();
+    let a_ptr = a.ptr();
+    ctx.free_async(a, &sa).unwrap();
+    // This miss records an event after A's free (nothing known yet: grow).
+    let other = ctx.alloc_async(WHOLE, &sb).unwrap();
+    assert_ne!(other.ptr(), a_ptr);
+    // A's stream is idle, so its event completes; the next miss sees it.
+    b.synchronize_stream(sa.raw()).unwrap();
+    let reused = ctx.alloc_async(WHOLE, &sb).unwrap();
+    assert_eq!(reused.ptr(), a_ptr, "a completed free was not reused");
+    let st = pool.stats();
+    assert_eq!(st.frees_completed, 1);
+    assert_eq!(st.chunks_created, 2);
+    ctx.free_async(other, &sb).unwrap();
+    ctx.free_async(reused, &sb).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+}
+
+/// The article's loop: allocate, launch, free, synchronize, 100 times.
+fn reuse_loop<B: Backend>(b: &Arc<B>, threshold: u64) -> vmpool::PoolStats {
+    let (ctx, pool) = setup(b, ALL_ON);
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, threshold)
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    for i in 0..100 {
+        let a = ctx.alloc_async(4 * MIB, &s).unwrap();
+        fill(&**b, &s, &a, i);
+        ctx.free_async(a, &s).unwrap();
+        ctx.synchronize_stream(&s).unwrap();
+    }
+    pool.stats()
+}
+
+pub fn threshold_zero_goes_to_the_driver_every_iteration<B: Backend>(b: &Arc<B>) {
+    let st = reuse_loop(b, 0);
+    assert_eq!(st.chunks_created, 100, "{st:?}");
+    assert_eq!(st.chunks_released, 100);
+    assert_eq!(st.reserved_bytes, 0);
+}
+
+pub fn high_threshold_never_goes_to_the_driver_after_the_first<B: Backend>(b: &Arc<B>) {
+    let st = reuse_loop(b, u64::MAX);
+    assert_eq!(st.chunks_created, 1, "{st:?}");
+    assert_eq!(st.chunks_released, 0);
+    assert_eq!(st.maps, 1);
+}
+
+/// The article's library: allocation in function scope on the caller's
+/// stream, with no synchronization anywhere.
+fn library_func<B: Backend>(ctx: &Context<B>, stream: &Stream<B>, value: u32) {
+    let scratch = ctx.alloc_async(8 * MIB, stream).unwrap();
+    ctx.backend()
+        .fill_u32(stream.raw(), scratch.ptr(), (8 * MIB / 4) as usize, value)
+        .unwrap();
+    ctx.free_async(scratch, stream).unwrap();
+}
+
+pub fn library_allocates_in_function_scope<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, ALL_ON);
+    let s = ctx.create_stream(DEV).unwrap();
+    let mine = ctx.alloc_async(MIB, &s).unwrap();
+    fill(&**b, &s, &mine, 0x600D);
+    for i in 0..10 {
+        library_func(&ctx, &s, i);
+    }
+    assert_holds(&**b, &s, &mine, 0x600D);
+    let st = pool.stats();
+    assert_eq!(st.same_stream_reuses, 9);
+    ctx.free_async(mine, &s).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+}
+
+pub fn free_async_to_another_context_fails<B: Backend>(b: &Arc<B>) {
+    let (ctx, _pool) = setup(b, ALL_ON);
+    let (other, _other_pool) = setup(b, ALL_ON);
+    let s = ctx.create_stream(DEV).unwrap();
+    let a = other
+        .alloc_async(1000, &other.create_stream(DEV).unwrap())
+        .unwrap();
+    assert!(matches!(
+        ctx.free_async(a, &s),
+        Err(Error::WrongPool { .. })
+    ));
+}
+
+pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, ALL_ON);
+    std::thread::scope(|scope| {
+        for t in 0..4u32 {
+            let ctx = &ctx;
+            scope.spawn(move || {
+                let s = ctx.create_stream(DEV).unwrap();
+                let mut live: Vec<(Allocation, u32)> = Vec::new();
+                for i in 0..150u32 {
+                    let size = 1 + ((t as u64 * 7919 + i as u64 * 104_729) % (5 * MIB));
+                    let a = ctx.alloc_async(size, &s).unwrap();
+                    let value = (t << 24) | i;
+                    if a.size() >= 4 {
+                        fill(&**ctx.backend(), &s, &a, value);
+                    }
+                    live.push((a, value));
+                    if live.len() > 6 {
+                        let (a, value) = live.swap_remove((i as usize * 13) % live.len());
+                        if a.size() >= 4 {
+                            assert_holds(&**ctx.backend(), &s, &a, value);
+                        }
+                        ctx.free_async(a, &s).unwrap();
+                    }
+                }
+                for (a, value) in live {
+                    if a.size() >= 4 {
+                        assert_holds(&**ctx.backend(), &s, &a, value);
+                    }
+                    ctx.free_async(a, &s).unwrap();
+                }
+            });
+        }
+    });
+    ctx.synchronize_device(DEV).unwrap();
+    assert_eq!(pool.stats().used_bytes, 0);
+    assert_eq!(pool.stats().pending_bytes, 0);
+    pool.audit().unwrap();
+}
+
+macro_rules! suite {
+    ($backend:ident) => {
+        mod $backend {
+            suite!(@cases $backend, [
+                same_stream_reuse_without_synchronization,
+                cross_stream_race_with_switches_on,
+                cross_stream_race_with_switches_off,
+                internal_dependency_reuses_instead_of_growing,
+                explicit_event_dependency_is_followed,
+                dependencies_follow_a_chain_of_streams,
+                completed_frees_are_reused_opportunistically,
+                threshold_zero_goes_to_the_driver_every_iteration,
+                high_threshold_never_goes_to_the_driver_after_the_first,
+                library_allocates_in_function_scope,
+                free_async_to_another_context_fails,
+                many_threads_many_streams
+            ]);
+        }
+    };
+    (@cases $backend:ident, [$($case:ident),*]) => {
+        $(
+            #[test]
+            fn $case() {
+                super::$case(&super::open::$backend());
+            }
+        )*
+    };
+}
+
+mod open {
+    use std::sync::Arc;
+    use vmpool::vmm::host::{Host, HostConfig};
+
+    pub fn host() -> Arc<Host> {
+        Host::new(HostConfig {
+            devices: 1,
+            memory_per_device: 1 << 30,
+            granularity: 2 << 20,
+        })
+        .unwrap()
+    }
+
+    #[cfg(feature = "gpu-tests")]
+    pub fn cuda() -> Arc<vmpool::vmm::cuda::Cuda> {
+        vmpool::vmm::cuda::Cuda::new().unwrap_or_else(|e| {
+            panic!("the gpu-tests feature is on, but no CUDA device could be opened: {e}")
+        })
+    }
+}
+
+suite!(host);
+#[cfg(feature = "gpu-tests")]
+suite!(cuda);
