@@ -100,12 +100,6 @@ impl Heap {
         self.free_bytes
     }
 
-    /// Address and size of a block.
-    pub fn span(&self, id: BlockId) -> (u64, u64) {
-        let b = &self.blocks[id.0 as usize];
-        (b.addr, b.size)
-    }
-
     /// Adds [addr, addr + size) as free space, joining any region that ends
     /// at `addr` or starts at `addr + size`. Returns the free block that now
     /// holds the range (merged with free neighbours).

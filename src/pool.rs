@@ -36,7 +36,7 @@ use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, Even
 
 use crate::heap::{BlockId, Heap, QUANTUM};
 use crate::plan::{self, Plan, Source};
-use crate::stream::{lock, Stream, StreamShared};
+use crate::stream::{Pending, Stream, StreamShared};
 use crate::{Error, Result};
 
 /// Properties fixed when a pool is created (as `cudaMemPoolProps`).
@@ -141,6 +141,9 @@ pub struct PoolStats {
 pub struct Allocation {
     ptr: DevicePtr,
     size: u64,
+    /// The heap block's size: the request rounded up, or a little more when
+    /// a pending block of a near size was reused.
+    block_size: u64,
     arena: usize,
     block: BlockId,
     pool: u64,
@@ -185,50 +188,13 @@ struct Arena {
     chunk_size: u64,
 }
 
-/// A block freed on a stream, not yet known to be free for every stream.
-struct Pending {
-    arena: usize,
-    block: BlockId,
-    ptr: u64,
-    size: u64,
-    /// The stream's position at the free.
-    seq: u64,
-}
-
-/// The frees one stream has made in this pool that are still pending.
-struct StreamFrees<B: Backend> {
-    /// Keeps the stream alive while its frees are pending, so that events
-    /// can be recorded on it.
+/// A stream with pending frees in this pool, and the events recorded on it
+/// to learn when they complete (oldest first, with the position each
+/// captured).
+struct Registered<B: Backend> {
+    /// Keeps the stream alive while its frees are pending.
     stream: Arc<StreamShared<B>>,
-    /// By size, most recent last: the same-stream hot path pops from here.
-    by_size: FxHashMap<u64, Vec<Pending>>,
-    /// Events recorded on the stream after some of these frees, oldest
-    /// first, with the position each captured.
     events: VecDeque<(u64, B::Event)>,
-    /// Position of the latest free.
-    last_free: u64,
-    bytes: u64,
-}
-
-impl<B: Backend> StreamFrees<B> {
-    fn take(&mut self, size: u64, upto: u64) -> Option<Pending> {
-        let list = self.by_size.get_mut(&size)?;
-        let i = list.iter().rposition(|p| p.seq <= upto)?;
-        let p = list.remove(i);
-        self.bytes -= p.size;
-        Some(p)
-    }
-
-    /// Sizes present, for a near fit.
-    fn near_size(&self, size: u64, upto: u64) -> Option<u64> {
-        self.by_size
-            .iter()
-            .filter(|(&s, list)| {
-                s >= size && s <= size + size / 8 && list.iter().any(|p| p.seq <= upto)
-            })
-            .map(|(&s, _)| s)
-            .min()
-    }
 }
 
 struct Inner<B: Backend> {
@@ -242,15 +208,16 @@ struct Inner<B: Backend> {
     /// Mappings that could be neither given access nor unmapped: out of
     /// service, kept so their chunks stay accounted for.
     quarantine: Vec<Mapping<B>>,
+    /// This pool's id, to find its entry in a stream's pending frees.
+    id: u64,
     reserved: u64,
     reserved_high: u64,
-    used: u64,
-    used_high: u64,
     release_threshold: u64,
     reuse: [bool; 3],
     stats: PoolStats,
-    /// Stream-ordered frees not yet free for every stream, by stream id.
-    frees: FxHashMap<u64, StreamFrees<B>>,
+    /// Streams with pending frees in this pool, by stream id. The frees
+    /// themselves live in the stream (see `stream.rs`).
+    streams: FxHashMap<u64, Registered<B>>,
     /// Events not in use, kept because creating them costs a driver call.
     idle_events: Vec<B::Event>,
 }
@@ -258,6 +225,10 @@ struct Inner<B: Backend> {
 pub(crate) struct Shared<B: Backend> {
     id: u64,
     space: Space<B>,
+    /// Bytes of live allocations and their high-water mark: outside the
+    /// lock, because the same-stream hot path does not take it.
+    used: AtomicU64,
+    used_high: AtomicU64,
     inner: Mutex<Inner<B>>,
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
@@ -311,8 +282,11 @@ impl<B: Backend> Pool<B> {
             end,
             chunk_size,
         };
+        let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         let shared = Arc::new(Shared {
-            id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+            id,
+            used: AtomicU64::new(0),
+            used_high: AtomicU64::new(0),
             space: Space {
                 backend: Arc::clone(backend),
                 device,
@@ -329,14 +303,13 @@ impl<B: Backend> Pool<B> {
                 units: BTreeMap::new(),
                 spares: Vec::new(),
                 quarantine: Vec::new(),
+                id,
                 reserved: 0,
                 reserved_high: 0,
-                used: 0,
-                used_high: 0,
                 release_threshold: 0,
                 reuse: [true; 3],
                 stats: PoolStats::default(),
-                frees: FxHashMap::default(),
+                streams: FxHashMap::default(),
                 idle_events: Vec::new(),
             }),
             siblings: Arc::downgrade(siblings),
@@ -398,13 +371,38 @@ impl<B: Backend> Pool<B> {
             });
         }
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
-        self.lock().free_async(
-            allocation.arena,
-            allocation.block,
-            allocation.ptr.0,
-            &stream.0,
-        );
-        Ok(())
+        let size = allocation.block_size;
+        loop {
+            let mut st = stream.0.state();
+            st.seq += 1;
+            let seq = st.seq;
+            if let Some(frees) = st.pending.get_mut(&self.0.id) {
+                frees.by_size.entry(size).or_default().push(Pending {
+                    arena: allocation.arena,
+                    block: allocation.block,
+                    ptr: allocation.ptr.0,
+                    size,
+                    seq,
+                });
+                frees.last_free = seq;
+                frees.bytes += size;
+                frees.frees += 1;
+                drop(st);
+                self.0.used.fetch_sub(size, Ordering::Relaxed);
+                return Ok(());
+            }
+            // First pending free of this stream here: register it with the
+            // pool (its lock comes first), then retry.
+            drop(st);
+            self.lock().register(&stream.0);
+        }
+    }
+
+    fn count_used(&self, size: u64) {
+        let used = self.0.used.fetch_add(size, Ordering::Relaxed) + size;
+        if used > self.0.used_high.load(Ordering::Relaxed) {
+            self.0.used_high.fetch_max(used, Ordering::Relaxed);
+        }
     }
 
     fn allocate_with(
@@ -426,24 +424,27 @@ impl<B: Backend> Pool<B> {
             });
         }
         let rounded = size.next_multiple_of(QUANTUM);
+        if let Some(s) = stream {
+            // The hot path: memory this stream freed, reused in its order,
+            // without the pool's lock.
+            let reused = s.state().pending.get_mut(&self.0.id).and_then(|f| {
+                let p = f.take(rounded, u64::MAX);
+                f.reuses += u64::from(p.is_some());
+                p
+            });
+            if let Some(p) = reused {
+                self.count_used(p.size);
+                return Ok(self.hand_out(size, p));
+            }
+        }
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
             match inner.allocate(&self.0.space, rounded, stream) {
-                Ok((addr, arena, block)) => {
-                    tracing::trace!(
-                        pool = self.0.id,
-                        ptr = format_args!("{addr:#x}"),
-                        size,
-                        "allocate"
-                    );
-                    return Ok(Allocation {
-                        ptr: DevicePtr(addr),
-                        size,
-                        arena,
-                        block,
-                        pool: self.0.id,
-                    });
+                Ok(p) => {
+                    drop(inner);
+                    self.count_used(p.size);
+                    return Ok(self.hand_out(size, p));
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
@@ -468,7 +469,7 @@ impl<B: Backend> Pool<B> {
                         device: self.0.space.device,
                         requested: size,
                         reserved: inner.reserved,
-                        used: inner.used,
+                        used: self.0.used.load(Ordering::Relaxed),
                         device_free,
                     });
                 }
@@ -486,7 +487,27 @@ impl<B: Backend> Pool<B> {
         }
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.lock().free(allocation.arena, allocation.block);
+        self.0
+            .used
+            .fetch_sub(allocation.block_size, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn hand_out(&self, size: u64, p: Pending) -> Allocation {
+        tracing::trace!(
+            pool = self.0.id,
+            ptr = format_args!("{:#x}", p.ptr),
+            size,
+            "allocate"
+        );
+        Allocation {
+            ptr: DevicePtr(p.ptr),
+            size,
+            block_size: p.size,
+            arena: p.arena,
+            block: p.block,
+            pool: self.0.id,
+        }
     }
 
     /// Releases the stream-ordered frees of `stream` up to position `upto`
@@ -531,8 +552,8 @@ impl<B: Backend> Pool<B> {
             PoolAttribute::ReuseAllowInternalDependencies => inner.reuse[2] as u64,
             PoolAttribute::ReservedMemCurrent => inner.reserved,
             PoolAttribute::ReservedMemHigh => inner.reserved_high,
-            PoolAttribute::UsedMemCurrent => inner.used,
-            PoolAttribute::UsedMemHigh => inner.used_high,
+            PoolAttribute::UsedMemCurrent => self.0.used.load(Ordering::Relaxed),
+            PoolAttribute::UsedMemHigh => self.0.used_high.load(Ordering::Relaxed),
         }
     }
 
@@ -557,7 +578,10 @@ impl<B: Backend> Pool<B> {
                 return Err(invalid("a high-water mark can only be reset, with 0"))
             }
             PoolAttribute::ReservedMemHigh => inner.reserved_high = inner.reserved,
-            PoolAttribute::UsedMemHigh => inner.used_high = inner.used,
+            PoolAttribute::UsedMemHigh => self
+                .0
+                .used_high
+                .store(self.0.used.load(Ordering::Relaxed), Ordering::Relaxed),
             PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
                 return Err(invalid("read-only"))
             }
@@ -567,9 +591,20 @@ impl<B: Backend> Pool<B> {
 
     pub fn stats(&self) -> PoolStats {
         let inner = self.lock();
+        let mut stats = inner.stats.clone();
+        let mut pending_bytes = 0;
+        for reg in inner.streams.values() {
+            if let Some(f) = reg.stream.state().pending.get(&self.0.id) {
+                // Hot-path counts live with the stream until it unregisters.
+                stats.allocations += f.reuses;
+                stats.same_stream_reuses += f.reuses;
+                stats.frees += f.frees;
+                pending_bytes += f.bytes;
+            }
+        }
         PoolStats {
             reserved_bytes: inner.reserved,
-            used_bytes: inner.used,
+            used_bytes: self.0.used.load(Ordering::Relaxed),
             mapped_bytes: inner.units.values().map(|m| m.size() as u64).sum(),
             spare_bytes: inner.spares.iter().map(|c| c.size() as u64).sum(),
             units: inner.units.len() as u64,
@@ -579,15 +614,17 @@ impl<B: Backend> Pool<B> {
                 .map(|a| a.heap.largest_free())
                 .max()
                 .unwrap_or(0),
-            pending_bytes: inner.frees.values().map(|f| f.bytes).sum(),
-            ..inner.stats.clone()
+            pending_bytes,
+            ..stats
         }
     }
 
     /// Recounts the pool from its own tables and checks them against the
     /// running totals; returns what disagrees. For tests and debugging.
     pub fn audit(&self) -> std::result::Result<(), String> {
-        self.lock().audit()
+        let pending = self.stats().pending_bytes;
+        self.lock()
+            .audit(self.0.used.load(Ordering::Relaxed) + pending)
     }
 }
 
@@ -601,33 +638,25 @@ impl<B: Backend> Drop for Shared<B> {
 }
 
 impl<B: Backend> Inner<B> {
+    /// The slow path of an allocation: the heap, then (stream-ordered) other
+    /// pending frees as the reuse switches allow, then growth.
     fn allocate(
         &mut self,
         space: &Space<B>,
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
-    ) -> Result<(u64, usize, BlockId)> {
+    ) -> Result<Pending> {
         let arena = usize::from(size >= SMALL_LIMIT);
-        if let Some(s) = stream {
-            // The hot path: memory this stream freed, reused in its order.
-            if let Some(p) = self
-                .frees
-                .get_mut(&s.id)
-                .and_then(|f| f.take(size, u64::MAX))
-            {
-                self.stats.same_stream_reuses += 1;
-                return Ok(self.hand_out(p));
-            }
-            if self.reuse[1] {
-                self.collect_completed(space)?;
-            }
+        if stream.is_some() && self.reuse[1] {
+            self.collect_completed(space)?;
         }
         let found = match self.arenas[arena].heap.alloc(size) {
             Some(found) => Some(found),
             None => match stream {
                 Some(s) => {
                     if let Some(p) = self.reuse_pending(space, size, s)? {
-                        return Ok(self.hand_out(p));
+                        self.stats.allocations += 1;
+                        return Ok(p);
                     }
                     if self.reuse[1] {
                         self.record_pending(space)?;
@@ -646,46 +675,23 @@ impl<B: Backend> Inner<B> {
                 self.arenas[arena].heap.alloc_from(grown?, size)
             }
         };
-        self.used += size;
-        self.used_high = self.used_high.max(self.used);
         self.stats.allocations += 1;
-        Ok((addr, arena, block))
-    }
-
-    fn hand_out(&mut self, p: Pending) -> (u64, usize, BlockId) {
-        self.used += p.size;
-        self.used_high = self.used_high.max(self.used);
-        self.stats.allocations += 1;
-        (p.ptr, p.arena, p.block)
-    }
-
-    fn free_async(
-        &mut self,
-        arena: usize,
-        block: BlockId,
-        ptr: u64,
-        stream: &Arc<StreamShared<B>>,
-    ) {
-        let (_, size) = self.arenas[arena].heap.span(block);
-        let seq = stream.next_seq();
-        let frees = self.frees.entry(stream.id).or_insert_with(|| StreamFrees {
-            stream: Arc::clone(stream),
-            by_size: FxHashMap::default(),
-            events: VecDeque::new(),
-            last_free: 0,
-            bytes: 0,
-        });
-        frees.by_size.entry(size).or_default().push(Pending {
+        Ok(Pending {
             arena,
             block,
-            ptr,
+            ptr: addr,
             size,
-            seq,
+            seq: 0,
+        })
+    }
+
+    /// Notes that `stream` has (or will have) pending frees here.
+    fn register(&mut self, stream: &Arc<StreamShared<B>>) {
+        self.streams.entry(stream.id).or_insert_with(|| Registered {
+            stream: Arc::clone(stream),
+            events: VecDeque::new(),
         });
-        frees.last_free = seq;
-        frees.bytes += size;
-        self.used -= size;
-        self.stats.frees += 1;
+        stream.state().pending.entry(self.id).or_default();
     }
 
     /// Moves the pending frees whose events have completed back to the heap
@@ -693,9 +699,9 @@ impl<B: Backend> Inner<B> {
     #[cold]
     fn collect_completed(&mut self, space: &Space<B>) -> Result<()> {
         let mut passed = Vec::new();
-        for (&id, f) in &self.frees {
+        for (&id, reg) in &self.streams {
             let mut upto = 0;
-            for (seq, event) in &f.events {
+            for (seq, event) in &reg.events {
                 match space.backend.query_event(event)? {
                     EventStatus::Complete => upto = *seq,
                     EventStatus::Pending => break,
@@ -711,10 +717,10 @@ impl<B: Backend> Inner<B> {
         Ok(())
     }
 
-    /// Memory freed on other streams that `stream` may take without growing
-    /// the pool: first what it is already ordered after (follow event
-    /// dependencies), then anything, after making it wait (internal
-    /// dependencies). Exact sizes, or up to 1/8 larger.
+    /// Memory freed in stream order that `stream` may take without growing
+    /// the pool: its own frees of a near size; then frees of streams it is
+    /// ordered after (follow event dependencies); then any, after making it
+    /// wait for them (internal dependencies). Sizes up to 1/8 larger count.
     #[cold]
     fn reuse_pending(
         &mut self,
@@ -722,20 +728,25 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: &Arc<StreamShared<B>>,
     ) -> Result<Option<Pending>> {
-        // Its own frees of a near size.
-        if let Some(f) = self.frees.get_mut(&stream.id) {
-            if let Some(near) = f.near_size(size, u64::MAX) {
-                self.stats.same_stream_reuses += 1;
-                return Ok(f.take(near, u64::MAX));
-            }
-        }
-        if self.reuse[0] {
-            let clock = lock(&stream.clock).clone();
-            for (&id, f) in self.frees.iter_mut() {
-                let upto = clock.get(id);
-                if id == stream.id || upto == 0 {
-                    continue;
+        let pool = self.id;
+        let clock = {
+            let mut st = stream.state();
+            if let Some(f) = st.pending.get_mut(&pool) {
+                if let Some(near) = f.near_size(size, u64::MAX) {
+                    self.stats.same_stream_reuses += 1;
+                    return Ok(f.take(near, u64::MAX));
                 }
+            }
+            st.clock.clone()
+        };
+        let others = || self.streams.iter().filter(|(&id, _)| id != stream.id);
+        if self.reuse[0] {
+            for (&id, reg) in others() {
+                let upto = clock.get(id);
+                let mut st = reg.stream.state();
+                let Some(f) = st.pending.get_mut(&pool) else {
+                    continue;
+                };
                 if let Some(near) = f.near_size(size, upto) {
                     self.stats.dependency_reuses += 1;
                     return Ok(f.take(near, upto));
@@ -743,23 +754,31 @@ impl<B: Backend> Inner<B> {
             }
         }
         if self.reuse[2] {
-            let candidate = self
-                .frees
-                .iter()
-                .filter(|(&id, _)| id != stream.id)
-                .find_map(|(&id, f)| f.near_size(size, u64::MAX).map(|near| (id, near)));
+            let candidate = others().find_map(|(&id, reg)| {
+                let st = reg.stream.state();
+                let near = st.pending.get(&pool)?.near_size(size, u64::MAX)?;
+                Some((id, near))
+            });
             if let Some((id, near)) = candidate {
                 let event_seq = self.event_after_frees(space, id)?;
-                let f = self.frees.get_mut(&id).expect("found above");
-                let (_, event) = f
+                let reg = &self.streams[&id];
+                let (_, event) = reg
                     .events
                     .iter()
                     .find(|(seq, _)| *seq == event_seq)
                     .expect("recorded above");
                 space.backend.stream_wait_event(&stream.raw, event)?;
-                lock(&stream.clock).advance(id, event_seq);
+                stream.state().clock.advance(id, event_seq);
                 self.stats.waits_inserted += 1;
-                return Ok(f.take(near, event_seq));
+                // The other stream's own hot path may have taken the block
+                // meanwhile; then this is a wait for nothing, and we grow.
+                let taken = reg
+                    .stream
+                    .state()
+                    .pending
+                    .get_mut(&pool)
+                    .and_then(|f| f.take(near, event_seq));
+                return Ok(taken);
             }
         }
         Ok(None)
@@ -768,22 +787,32 @@ impl<B: Backend> Inner<B> {
     /// An event on stream `id` that captures all its frees so far; records
     /// one if the latest does not. Returns the position it captured.
     fn event_after_frees(&mut self, space: &Space<B>, id: u64) -> Result<u64> {
-        let f = self.frees.get_mut(&id).expect("caller checked");
-        if let Some((seq, _)) = f.events.back() {
-            if *seq >= f.last_free {
+        let reg = self.streams.get_mut(&id).expect("caller checked");
+        let last_free = reg
+            .stream
+            .state()
+            .pending
+            .get(&self.id)
+            .map_or(0, |f| f.last_free);
+        if let Some((seq, _)) = reg.events.back() {
+            if *seq >= last_free {
                 return Ok(*seq);
             }
         }
         let event = match self.idle_events.pop() {
             Some(event) => event,
-            None => space.backend.create_event(f.stream.device)?,
+            None => space.backend.create_event(reg.stream.device)?,
         };
-        let seq = f.stream.next_seq();
-        if let Err(err) = space.backend.record_event(&event, &f.stream.raw) {
+        let seq = {
+            let mut st = reg.stream.state();
+            st.seq += 1;
+            st.seq
+        };
+        if let Err(err) = space.backend.record_event(&event, &reg.stream.raw) {
             self.idle_events.push(event);
             return Err(err.into());
         }
-        f.events.push_back((seq, event));
+        reg.events.push_back((seq, event));
         self.stats.events_recorded += 1;
         Ok(seq)
     }
@@ -793,45 +822,44 @@ impl<B: Backend> Inner<B> {
     /// on misses only: the same-stream path records nothing.
     #[cold]
     fn record_pending(&mut self, space: &Space<B>) -> Result<()> {
-        let ids: Vec<u64> = self.frees.keys().copied().collect();
+        let ids: Vec<u64> = self.streams.keys().copied().collect();
         for id in ids {
             self.event_after_frees(space, id)?;
         }
         Ok(())
     }
 
-    /// Frees of stream `id` up to position `upto` are free for everyone:
-    /// back to the heap; the events that captured no later position are idle.
+    /// Frees of stream `id` up to position `upto` are free for every
+    /// stream: back to the heap. Events that captured no later position go
+    /// idle; a stream left with nothing pending is unregistered.
     fn release_pending(&mut self, id: u64, upto: u64) {
-        let Some(f) = self.frees.get_mut(&id) else {
+        let Some(reg) = self.streams.get_mut(&id) else {
             return;
         };
-        let mut released = Vec::new();
-        for list in f.by_size.values_mut() {
-            list.retain(|p| {
-                let done = p.seq <= upto;
-                if done {
-                    released.push((p.arena, p.block, p.size));
-                }
-                !done
-            });
-        }
-        f.by_size.retain(|_, list| !list.is_empty());
-        while f.events.front().is_some_and(|(seq, _)| *seq <= upto) {
-            let (_, event) = f.events.pop_front().expect("checked");
+        let (released, now_empty) = {
+            let mut st = reg.stream.state();
+            let f = st.pending.get_mut(&self.id).expect("registered");
+            let released = f.drain_upto(upto);
+            let now_empty = f.by_size.is_empty();
+            if now_empty {
+                let f = st.pending.remove(&self.id).expect("present");
+                self.stats.allocations += f.reuses;
+                self.stats.same_stream_reuses += f.reuses;
+                self.stats.frees += f.frees;
+            }
+            (released, now_empty)
+        };
+        while reg.events.front().is_some_and(|(seq, _)| *seq <= upto) {
+            let (_, event) = reg.events.pop_front().expect("checked");
             self.idle_events.push(event);
         }
-        for &(_, _, size) in &released {
-            f.bytes -= size;
-        }
-        if f.by_size.is_empty() {
-            // Nothing pending: let go of the stream (and its events).
-            let f = self.frees.remove(&id).expect("present");
+        if now_empty {
+            let reg = self.streams.remove(&id).expect("present");
             self.idle_events
-                .extend(f.events.into_iter().map(|(_, e)| e));
+                .extend(reg.events.into_iter().map(|(_, e)| e));
         }
-        for (arena, block, _) in released {
-            self.arenas[arena].heap.free(block);
+        for p in released {
+            self.arenas[p.arena].heap.free(p.block);
             self.stats.frees_completed += 1;
         }
     }
@@ -840,9 +868,9 @@ impl<B: Backend> Inner<B> {
     /// releases them all (the last resort before out-of-memory, and drop).
     fn wait_for_pending_frees(&mut self, backend: &Arc<B>) {
         let streams: Vec<(u64, Arc<StreamShared<B>>)> = self
-            .frees
+            .streams
             .iter()
-            .map(|(&id, f)| (id, Arc::clone(&f.stream)))
+            .map(|(&id, reg)| (id, Arc::clone(&reg.stream)))
             .collect();
         for (id, stream) in streams {
             let upto = stream.current_seq();
@@ -854,10 +882,7 @@ impl<B: Backend> Inner<B> {
     }
 
     fn free(&mut self, arena: usize, block: BlockId) {
-        let heap = &mut self.arenas[arena].heap;
-        let (_, size) = heap.span(block);
-        heap.free(block);
-        self.used -= size;
+        self.arenas[arena].heap.free(block);
         self.stats.frees += 1;
     }
 
@@ -1186,7 +1211,9 @@ impl<B: Backend> Inner<B> {
         tracing::debug!(size, "released chunk");
     }
 
-    fn audit(&self) -> std::result::Result<(), String> {
+    /// `allocated`: bytes the heap should hold as allocated (live and
+    /// pending).
+    fn audit(&self, allocated: u64) -> std::result::Result<(), String> {
         let mut problems = Vec::new();
         let mut chunks: HashMap<ChunkHandle, u64> = HashMap::new();
         let mut hold = |c: &Arc<Chunk<B>>, problems: &mut Vec<String>| {
@@ -1218,10 +1245,9 @@ impl<B: Backend> Inner<B> {
             ));
         }
         let free: u64 = self.arenas.iter().map(|a| a.heap.free_bytes()).sum();
-        if free + self.used != mapped {
+        if free + allocated != mapped {
             problems.push(format!(
-                "free {free} + used {} != {mapped} bytes mapped",
-                self.used
+                "free {free} + allocated {allocated} != {mapped} bytes mapped"
             ));
         }
         if self.stats.chunks_created - self.stats.chunks_released != chunks.len() as u64 {

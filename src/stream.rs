@@ -11,6 +11,12 @@
 //! stream and count it captured, and that stream's own clock: what it had
 //! itself waited for. A stream that waits on the event merges both into its
 //! clock, so dependencies carry along chains of streams.
+//!
+//! A stream also holds, per pool, the blocks freed on it that are still
+//! pending. The same-stream hot path (free, then allocate the same size)
+//! touches only this state and the pool's `used` counters, not the pool's
+//! lock, so streams on different threads do not serialise on one lock.
+//! Lock order: a pool's lock, then a stream's; never the other way.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -46,24 +52,98 @@ impl Clock {
     }
 }
 
+/// A block freed on a stream, not yet known to be free for every stream.
+pub(crate) struct Pending {
+    pub(crate) arena: usize,
+    pub(crate) block: crate::heap::BlockId,
+    pub(crate) ptr: u64,
+    pub(crate) size: u64,
+    /// The stream's position at the free.
+    pub(crate) seq: u64,
+}
+
+/// The pending frees one stream has made in one pool.
+#[derive(Default)]
+pub(crate) struct PoolFrees {
+    /// By size, most recent last: the hot path pops from here.
+    pub(crate) by_size: FxHashMap<u64, Vec<Pending>>,
+    /// Position of the latest free.
+    pub(crate) last_free: u64,
+    pub(crate) bytes: u64,
+    /// Hot-path counts, summed into the pool's statistics.
+    pub(crate) frees: u64,
+    pub(crate) reuses: u64,
+}
+
+impl PoolFrees {
+    /// The most recent pending block of exactly `size` freed at or before
+    /// position `upto`.
+    pub(crate) fn take(&mut self, size: u64, upto: u64) -> Option<Pending> {
+        let list = self.by_size.get_mut(&size)?;
+        let i = list.iter().rposition(|p| p.seq <= upto)?;
+        let p = list.swap_remove(i);
+        self.bytes -= p.size;
+        Some(p)
+    }
+
+    /// The smallest size present, between `size` and 1/8 more, with a block
+    /// freed at or before `upto`.
+    pub(crate) fn near_size(&self, size: u64, upto: u64) -> Option<u64> {
+        self.by_size
+            .iter()
+            .filter(|(&s, list)| {
+                s >= size && s <= size + size / 8 && list.iter().any(|p| p.seq <= upto)
+            })
+            .map(|(&s, _)| s)
+            .min()
+    }
+
+    /// Removes every block freed at or before `upto`.
+    pub(crate) fn drain_upto(&mut self, upto: u64) -> Vec<Pending> {
+        let mut out = Vec::new();
+        for list in self.by_size.values_mut() {
+            let mut i = 0;
+            while i < list.len() {
+                if list[i].seq <= upto {
+                    out.push(list.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        self.by_size.retain(|_, list| !list.is_empty());
+        self.bytes -= out.iter().map(|p| p.size).sum::<u64>();
+        out
+    }
+}
+
+pub(crate) struct StreamState {
+    /// Positions handed out to frees and records on this stream.
+    pub(crate) seq: u64,
+    pub(crate) clock: Clock,
+    /// Pending frees by pool id. An entry exists exactly while the pool has
+    /// this stream registered.
+    pub(crate) pending: FxHashMap<u64, PoolFrees>,
+}
+
+/// Held for a few instructions at a time, never across a driver call.
+type StateLock<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
+
 pub(crate) struct StreamShared<B: Backend> {
     pub(crate) id: u64,
     pub(crate) device: DeviceId,
     pub(crate) raw: B::Stream,
-    /// Positions handed out to frees and records on this stream.
-    seq: AtomicU64,
-    pub(crate) clock: Mutex<Clock>,
+    state: StateLock<StreamState>,
 }
 
 impl<B: Backend> StreamShared<B> {
-    /// The next position on this stream.
-    pub(crate) fn next_seq(&self) -> u64 {
-        self.seq.fetch_add(1, Ordering::Relaxed) + 1
+    pub(crate) fn state(&self) -> spin::mutex::SpinMutexGuard<'_, StreamState, spin::relax::Yield> {
+        self.state.lock()
     }
 
     /// The last position handed out.
     pub(crate) fn current_seq(&self) -> u64 {
-        self.seq.load(Ordering::Relaxed)
+        self.state().seq
     }
 }
 
@@ -82,8 +162,11 @@ impl<B: Backend> Stream<B> {
             id: NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed),
             device,
             raw,
-            seq: AtomicU64::new(0),
-            clock: Mutex::new(Clock::default()),
+            state: StateLock::new(StreamState {
+                seq: 0,
+                clock: Clock::default(),
+                pending: FxHashMap::default(),
+            }),
         }))
     }
 
@@ -136,8 +219,11 @@ impl<B: Backend> Event<B> {
 
     /// Notes that the event now captures `stream` up to now.
     pub(crate) fn capture(&self, stream: &StreamShared<B>) {
-        let seq = stream.next_seq();
-        let clock = lock(&stream.clock).clone();
+        let (seq, clock) = {
+            let mut st = stream.state();
+            st.seq += 1;
+            (st.seq, st.clock.clone())
+        };
         *lock(&self.captured) = Some(Captured {
             stream: stream.id,
             seq,
@@ -148,9 +234,9 @@ impl<B: Backend> Event<B> {
     /// Makes `stream`'s clock include what this event captured.
     pub(crate) fn order_after(&self, stream: &StreamShared<B>) {
         if let Some(c) = &*lock(&self.captured) {
-            let mut clock = lock(&stream.clock);
-            clock.merge(&c.clock);
-            clock.advance(c.stream, c.seq);
+            let mut st = stream.state();
+            st.clock.merge(&c.clock);
+            st.clock.advance(c.stream, c.seq);
         }
     }
 }
