@@ -9,22 +9,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use vmpool::vmm::memory::{Chunk, Mapping, Reservation};
-use vmpool::vmm::{self, AccessDesc, Backend, DeviceId};
+use vmpool::vmm::{AccessDesc, Backend, DeviceId};
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Which {
-    /// The GPU if one can be opened, else the host backend.
-    Auto,
-    Cuda,
-    Host,
-}
+mod common;
 
 #[derive(Parser)]
 struct Args {
     #[arg(long, value_enum, default_value = "auto")]
-    backend: Which,
+    backend: common::Which,
 }
 
 const DEV: DeviceId = DeviceId(0);
@@ -39,7 +33,8 @@ fn timed<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     Ok(out)
 }
 
-fn tour<B: Backend>(b: &Arc<B>) -> Result<()> {
+fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
+    let b = &b;
     let g = b.granularity(DEV)?;
     let info = b.mem_info(DEV)?;
     println!(
@@ -113,22 +108,5 @@ fn tour<B: Backend>(b: &Arc<B>) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    let cuda = match args.backend {
-        Which::Host => None,
-        Which::Cuda => Some(vmm::cuda::Cuda::new().context("opening the CUDA driver")?),
-        Which::Auto => vmm::cuda::Cuda::new()
-            .inspect_err(|e| println!("no GPU ({e}); using the host backend"))
-            .ok(),
-    };
-    match cuda {
-        Some(cuda) => {
-            println!("backend: cuda (on the GPU)");
-            tour(&cuda)
-        }
-        None => {
-            println!("backend: host (memfd + mmap; no GPU involved)");
-            tour(&vmm::host::Host::new(vmm::host::HostConfig::default())?)
-        }
-    }
+    on_backend!(Args::parse().backend, tour)
 }

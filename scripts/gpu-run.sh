@@ -10,7 +10,8 @@
 # REPLAY_CHUNK_SIZES (bytes; default 2 MiB and 32 MiB).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-log=${OUT:-$PWD}/gpu-run.log
+outdir=${OUT:-$PWD}
+log=$outdir/gpu-run.log
 : >"$log"
 status=0
 
@@ -45,9 +46,12 @@ for job in $jobs; do
         done
         ;;
     examples)
+        # From the output folder, so that files they write (defrag.svg) come back.
+        pushd "$outdir" >/dev/null || exit 1
         for exe in "$here"/examples/*; do
             run "example $(basename "$exe")" "$exe"
         done
+        popd >/dev/null || exit 1
         ;;
     bench)
         run "bench" "$here/bin/vmpool-bench" --backend cuda

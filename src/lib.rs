@@ -16,7 +16,8 @@ pub mod trace;
 pub use context::Context;
 pub use error::{Error, Result};
 pub use pool::{
-    Allocation, Pool, PoolAttribute, PoolProps, PoolStats, DEFAULT_CHUNK_SIZE, SMALL_LIMIT,
+    Allocation, Pool, PoolAttribute, PoolProps, PoolSnapshot, PoolStats, UnitView,
+    DEFAULT_CHUNK_SIZE, SMALL_LIMIT,
 };
 pub use stream::{Event, Stream};
 pub use vmm;

@@ -27,6 +27,9 @@
 //! frees it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -36,7 +39,7 @@ use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, Even
 
 use crate::heap::{BlockId, Heap, QUANTUM};
 use crate::plan::{self, Plan, Source};
-use crate::stream::{Pending, Stream, StreamShared};
+use crate::stream::{lock, Pending, Stream, StreamShared};
 use crate::{Error, Result};
 
 /// Properties fixed when a pool is created (as `cudaMemPoolProps`).
@@ -53,6 +56,15 @@ pub struct PoolProps {
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
     pub va_size: Option<u64>,
+    /// Whether growth may remap unused chunks (free units and spares) into
+    /// the new range. Off, the pool behaves like a conventional one: new
+    /// memory for every range that does not fit. On by default.
+    pub defragment: bool,
+    /// Record every allocation and free of the pool to this file, in the
+    /// shared trace format (`vmpool-replay` replays it). `None`: the
+    /// environment variable `VMPOOL_RECORD`, if set, names a path prefix,
+    /// and each pool records to `PREFIX.<pool id>.trace`.
+    pub record: Option<PathBuf>,
 }
 
 impl PoolProps {
@@ -62,6 +74,22 @@ impl PoolProps {
             max_size: None,
             chunk_size: None,
             va_size: None,
+            defragment: true,
+            record: None,
+        }
+    }
+}
+
+/// Writes a pool's operations as a trace (see [`PoolProps::record`]).
+struct Recorder {
+    out: BufWriter<File>,
+    next_id: u64,
+}
+
+impl Recorder {
+    fn line(&mut self, args: std::fmt::Arguments<'_>) {
+        if let Err(err) = self.out.write_fmt(args) {
+            tracing::warn!(%err, "writing the allocation trace failed");
         }
     }
 }
@@ -135,6 +163,100 @@ pub struct PoolStats {
     pub pending_bytes: u64,
 }
 
+/// A picture of a pool's address space: for a debug dump (its `Display`
+/// is a readable listing) and for drawing.
+#[derive(Debug, Clone)]
+pub struct PoolSnapshot {
+    pub base: u64,
+    pub va_size: u64,
+    /// The arenas' ranges: small allocations, then large ones.
+    pub arenas: Vec<(u64, u64)>,
+    /// Mapped units in address order.
+    pub units: Vec<UnitView>,
+    /// Free mapped ranges (start, length), in address order.
+    pub free: Vec<(u64, u64)>,
+    /// Chunks held unmapped: (chunk handle, size).
+    pub spares: Vec<(u64, u64)>,
+    pub stats: PoolStats,
+}
+
+/// One mapped chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitView {
+    pub va: u64,
+    pub size: u64,
+    /// The backend's chunk handle: the same chunk keeps it when remapped.
+    pub chunk: u64,
+}
+
+impl PoolSnapshot {
+    /// Free bytes inside [start, start + len).
+    pub fn free_in(&self, start: u64, len: u64) -> u64 {
+        let end = start + len;
+        self.free
+            .iter()
+            .map(|&(s, l)| (s.max(start), (s + l).min(end)))
+            .filter(|(s, e)| e > s)
+            .map(|(s, e)| e - s)
+            .sum()
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+impl std::fmt::Display for PoolSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = &self.stats;
+        writeln!(
+            f,
+            "pool at {:#x} (+{}): reserved {} in {} chunks, used {}, pending {}, spare {}, largest free range {}",
+            self.base,
+            mib(self.va_size),
+            mib(st.reserved_bytes),
+            self.units.len() + self.spares.len(),
+            mib(st.used_bytes),
+            mib(st.pending_bytes),
+            mib(st.spare_bytes),
+            mib(st.largest_free_range),
+        )?;
+        writeln!(
+            f,
+            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims",
+            st.grows,
+            st.remaps,
+            mib(st.bytes_remapped),
+            st.chunks_created,
+            st.chunks_released,
+            st.trims
+        )?;
+        for (i, &(start, end)) in self.arenas.iter().enumerate() {
+            writeln!(
+                f,
+                "  arena {} [{start:#x}, {end:#x}):",
+                ["small", "large"][i]
+            )?;
+            for u in self.units.iter().filter(|u| u.va >= start && u.va < end) {
+                let free = self.free_in(u.va, u.size);
+                writeln!(
+                    f,
+                    "    {:#x} {:>10}  chunk {:<6} live {:>10}  free {:>10}",
+                    u.va,
+                    mib(u.size),
+                    u.chunk,
+                    mib(u.size - free),
+                    mib(free)
+                )?;
+            }
+        }
+        for &(chunk, size) in &self.spares {
+            writeln!(f, "  spare chunk {chunk} ({})", mib(size))?;
+        }
+        Ok(())
+    }
+}
+
 /// A live allocation. Not `Clone`: it is consumed by [`Pool::free`], so a
 /// double free does not compile.
 #[derive(Debug)]
@@ -147,6 +269,8 @@ pub struct Allocation {
     arena: usize,
     block: BlockId,
     pool: u64,
+    /// Its id in the pool's recorded trace (0 when not recording).
+    trace_id: u64,
 }
 
 impl Allocation {
@@ -167,6 +291,7 @@ struct Space<B: Backend> {
     reservation: Arc<Reservation<B>>,
     granule: u64,
     max_size: u64,
+    defragment: bool,
     access: Vec<AccessDesc>,
 }
 
@@ -233,6 +358,7 @@ pub(crate) struct Shared<B: Backend> {
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
     siblings: Weak<Siblings<B>>,
+    recorder: Option<Mutex<Recorder>>,
 }
 
 /// The pools of one device.
@@ -283,6 +409,29 @@ impl<B: Backend> Pool<B> {
             chunk_size,
         };
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        let record = props.record.clone().or_else(|| {
+            std::env::var_os("VMPOOL_RECORD").map(|prefix| {
+                let mut path = prefix;
+                path.push(format!(".{id}.trace"));
+                PathBuf::from(path)
+            })
+        });
+        let recorder = match record {
+            Some(path) => {
+                let file = File::create(&path).map_err(|e| {
+                    Error::InvalidProps(format!("cannot record to {}: {e}", path.display()))
+                })?;
+                let mut recorder = Recorder {
+                    out: BufWriter::new(file),
+                    next_id: 1,
+                };
+                recorder.line(format_args!(
+                    "# vmpool pool {id} on {device}: a <id> <bytes> <stream> | f <id> <stream>\n"
+                ));
+                Some(Mutex::new(recorder))
+            }
+            None => None,
+        };
         let shared = Arc::new(Shared {
             id,
             used: AtomicU64::new(0),
@@ -293,6 +442,7 @@ impl<B: Backend> Pool<B> {
                 reservation,
                 granule,
                 max_size: props.max_size.unwrap_or(u64::MAX),
+                defragment: props.defragment,
                 access: vec![AccessDesc::read_write(device)],
             },
             inner: Mutex::new(Inner {
@@ -313,6 +463,7 @@ impl<B: Backend> Pool<B> {
                 idle_events: Vec::new(),
             }),
             siblings: Arc::downgrade(siblings),
+            recorder,
         });
         let mut list = siblings.lock().unwrap_or_else(|p| p.into_inner());
         list.retain(|w| w.strong_count() > 0);
@@ -371,6 +522,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
+        self.record_free(&allocation, stream.0.id);
         let size = allocation.block_size;
         loop {
             let mut st = stream.0.state();
@@ -434,7 +586,7 @@ impl<B: Backend> Pool<B> {
             });
             if let Some(p) = reused {
                 self.count_used(p.size);
-                return Ok(self.hand_out(size, p));
+                return Ok(self.hand_out(size, p, s.id));
             }
         }
         let mut released_others = false;
@@ -444,7 +596,7 @@ impl<B: Backend> Pool<B> {
                 Ok(p) => {
                     drop(inner);
                     self.count_used(p.size);
-                    return Ok(self.hand_out(size, p));
+                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id)));
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
@@ -486,6 +638,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
+        self.record_free(&allocation, 0);
         self.lock().free(allocation.arena, allocation.block);
         self.0
             .used
@@ -493,13 +646,20 @@ impl<B: Backend> Pool<B> {
         Ok(())
     }
 
-    fn hand_out(&self, size: u64, p: Pending) -> Allocation {
+    fn hand_out(&self, size: u64, p: Pending, stream: u64) -> Allocation {
         tracing::trace!(
             pool = self.0.id,
             ptr = format_args!("{:#x}", p.ptr),
             size,
             "allocate"
         );
+        let trace_id = self.0.recorder.as_ref().map_or(0, |r| {
+            let mut r = lock(r);
+            let id = r.next_id;
+            r.next_id += 1;
+            r.line(format_args!("a {id} {size} {stream}\n"));
+            id
+        });
         Allocation {
             ptr: DevicePtr(p.ptr),
             size,
@@ -507,6 +667,13 @@ impl<B: Backend> Pool<B> {
             arena: p.arena,
             block: p.block,
             pool: self.0.id,
+            trace_id,
+        }
+    }
+
+    fn record_free(&self, allocation: &Allocation, stream: u64) {
+        if let Some(r) = &self.0.recorder {
+            lock(r).line(format_args!("f {} {stream}\n", allocation.trace_id));
         }
     }
 
@@ -619,6 +786,40 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// The pool's ranges and chunks as they are now.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        let stats = self.stats();
+        let inner = self.lock();
+        let mut free = Vec::new();
+        for arena in &inner.arenas {
+            arena
+                .heap
+                .for_each_free(|addr, len, _| free.push((addr, len)));
+        }
+        free.sort_unstable();
+        PoolSnapshot {
+            base: self.0.space.base(),
+            va_size: self.0.space.reservation.size() as u64,
+            arenas: inner.arenas.iter().map(|a| (a.start, a.end)).collect(),
+            units: inner
+                .units
+                .iter()
+                .map(|(&va, m)| UnitView {
+                    va,
+                    size: m.size() as u64,
+                    chunk: m.chunk().handle().0,
+                })
+                .collect(),
+            free,
+            spares: inner
+                .spares
+                .iter()
+                .map(|c| (c.handle().0, c.size() as u64))
+                .collect(),
+            stats,
+        }
+    }
+
     /// Recounts the pool from its own tables and checks them against the
     /// running totals; returns what disagrees. For tests and debugging.
     pub fn audit(&self) -> std::result::Result<(), String> {
@@ -634,6 +835,11 @@ impl<B: Backend> Drop for Shared<B> {
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         inner.wait_for_pending_frees(&self.space.backend);
+        if let Some(recorder) = &self.recorder {
+            if let Err(err) = lock(recorder).out.flush() {
+                tracing::warn!(%err, "writing the allocation trace failed");
+            }
+        }
     }
 }
 
@@ -936,12 +1142,20 @@ impl<B: Backend> Inner<B> {
             prev_end = va + m.size() as u64;
         }
         gaps.push((prev_end, end - prev_end));
-        let spares: Vec<u64> = self.spares.iter().map(|c| c.size() as u64).collect();
-        let units: Vec<(u64, u64)> = self
-            .free_units()
-            .iter()
-            .map(|&(va, len, _)| (va, len))
-            .collect();
+        // Without defragmentation, nothing unused is moved: new memory only.
+        let spares: Vec<u64> = if space.defragment {
+            self.spares.iter().map(|c| c.size() as u64).collect()
+        } else {
+            Vec::new()
+        };
+        let units: Vec<(u64, u64)> = if space.defragment {
+            self.free_units()
+                .iter()
+                .map(|&(va, len, _)| (va, len))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let inputs = plan::Inputs {
             tails: &tails,
             gaps: &gaps,

@@ -1,0 +1,56 @@
+//! A pool records its allocations as a trace in the shared format, which
+//! the trace reader (and so `vmpool-replay`) takes back.
+
+use vmpool::trace::{Trace, TraceOp};
+use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::DeviceId;
+use vmpool::{Context, PoolProps};
+
+#[test]
+fn a_recorded_trace_replays() {
+    let path = std::env::temp_dir().join(format!("vmpool-record-{}.trace", std::process::id()));
+    let sizes = [1000u64, 5 << 20, 77, 40 << 20];
+    {
+        let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
+        let pool = ctx
+            .create_pool(&PoolProps {
+                record: Some(path.clone()),
+                ..PoolProps::new(DeviceId(0))
+            })
+            .unwrap();
+        let s = ctx.create_stream(DeviceId(0)).unwrap();
+        let sync: Vec<_> = sizes.iter().map(|&n| pool.allocate(n).unwrap()).collect();
+        let a = pool.allocate_async(123_456, &s).unwrap();
+        pool.free_async(a, &s).unwrap();
+        let again = pool.allocate_async(123_456, &s).unwrap();
+        for a in sync {
+            pool.free(a).unwrap();
+        }
+        pool.free_async(again, &s).unwrap();
+        ctx.synchronize_stream(&s).unwrap();
+    }
+    let trace = Trace::read(std::fs::File::open(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(trace.ops.len(), 12);
+    assert_eq!(trace.peak_live, sizes.iter().sum::<u64>() + 123_456);
+    let allocs: Vec<u64> = trace
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            TraceOp::Alloc { size, .. } => Some(*size),
+            TraceOp::Free { .. } => None,
+        })
+        .collect();
+    assert_eq!(allocs, [1000, 5 << 20, 77, 40 << 20, 123_456, 123_456]);
+    // Replays on a fresh pool.
+    let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
+    let pool = ctx.default_pool(DeviceId(0)).unwrap();
+    let mut live: Vec<Option<vmpool::Allocation>> = (0..trace.slots).map(|_| None).collect();
+    for op in &trace.ops {
+        match *op {
+            TraceOp::Alloc { slot, size, .. } => live[slot] = Some(pool.allocate(size).unwrap()),
+            TraceOp::Free { slot, .. } => pool.free(live[slot].take().unwrap()).unwrap(),
+        }
+    }
+    assert_eq!(pool.stats().used_bytes, 0);
+}
