@@ -352,13 +352,25 @@ pub(crate) struct Shared<B: Backend> {
     space: Space<B>,
     /// Bytes of live allocations and their high-water mark: outside the
     /// lock, because the same-stream hot path does not take it.
-    used: AtomicU64,
-    used_high: AtomicU64,
+    used: Padded<AtomicU64>,
+    used_high: Padded<AtomicU64>,
     inner: Mutex<Inner<B>>,
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
     siblings: Weak<Siblings<B>>,
     recorder: Option<Mutex<Recorder>>,
+}
+
+/// On a cache line of its own: `used` changes on every allocation and free,
+/// from every thread, and `used_high` is read as often.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 /// The pools of one device.
@@ -434,8 +446,8 @@ impl<B: Backend> Pool<B> {
         };
         let shared = Arc::new(Shared {
             id,
-            used: AtomicU64::new(0),
-            used_high: AtomicU64::new(0),
+            used: Padded(AtomicU64::new(0)),
+            used_high: Padded(AtomicU64::new(0)),
             space: Space {
                 backend: Arc::clone(backend),
                 device,

@@ -90,7 +90,7 @@ fn bench_vmpool<B: Backend>(backend: Arc<B>, figures: &mut Figures) -> Result<()
         Ok(())
     })?;
     ctx.synchronize_device(DEV)?;
-    for threads in [1, 8] {
+    for threads in [1, 2, 8] {
         let per_thread = 200_000;
         let barrier = Barrier::new(threads + 1);
         let mut elapsed = 0.0;
