@@ -143,10 +143,12 @@ fn on_vmpool<B: Backend>(
 fn on_cuda_pool(cuda: &Arc<vmm::cuda::Cuda>, request: u64) -> Result<(u64, u64)> {
     let pool = vmm::cuda::peers::CudaAsyncPool::new(cuda, DEV)?;
     let s = cuda.create_stream(DEV)?;
+    let all: Vec<_> = (0..COUNT)
+        .map(|i| pool.alloc(size_of(i) as usize, &s))
+        .collect::<Result<_, _>>()?;
     let mut live = Vec::new();
-    for i in 0..COUNT {
-        let a = pool.alloc(size_of(i) as usize, &s)?;
-        if i % 2 == 1 && i != COUNT - 1 {
+    for (i, a) in all.into_iter().enumerate() {
+        if i % 2 == 1 && i as u64 != COUNT - 1 {
             pool.free(a, &s)?;
         } else {
             live.push(a);

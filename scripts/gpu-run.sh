@@ -41,9 +41,10 @@ jobs=${*:-tests examples bench replay}
 for job in $jobs; do
     case $job in
     tests)
-        # One test at a time: the driver's unmap and release wait for the
-        # whole device, which would stall a neighbouring test's stream and
-        # upset the cases that check an event is still pending.
+        # One test at a time: with four at once, a case that checks an event
+        # is still pending behind a 300 ms delay once saw it complete
+        # (docs/gpu-runs/2026-11-29T1816-examples-bench-replay.log), as if a
+        # driver call had waited for another test's work on the device.
         for exe in "$here"/tests/*; do
             run "test $(basename "$exe")" "$exe" --test-threads=1
         done
