@@ -8,6 +8,8 @@ use std::sync::Arc;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
 
+mod common;
+
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
 
@@ -295,57 +297,18 @@ pub fn pool_limit<B: Backend>(b: &Arc<B>) {
     pool.free(whole).unwrap();
 }
 
-macro_rules! suite {
-    ($backend:ident) => {
-        mod $backend {
-            suite!(@cases $backend, [
-                sizes_and_alignment,
-                more_than_half_the_device,
-                invalid_requests,
-                small_allocations_are_packed,
-                checkerboard_is_served_by_remapping,
-                trim_returns_every_chunk,
-                trim_keeps_live_chunks,
-                attributes_and_current_pool,
-                many_threads,
-                pool_limit
-            ]);
-        }
-    };
-    (@cases $backend:ident, [$($case:ident),*]) => {
-        $(
-            #[test]
-            fn $case() {
-                super::$case(&super::open::$backend());
-            }
-        )*
-    };
-}
-
-mod open {
-    use std::sync::Arc;
-    use vmpool::vmm::host::{Host, HostConfig};
-
-    pub fn host() -> Arc<Host> {
-        Host::new(HostConfig {
-            devices: 2,
-            memory_per_device: 256 << 20,
-            granularity: 2 << 20,
-        })
-        .unwrap()
-    }
-
-    #[cfg(feature = "gpu-tests")]
-    pub fn cuda() -> Arc<vmpool::vmm::cuda::Cuda> {
-        vmpool::vmm::cuda::Cuda::new().unwrap_or_else(|e| {
-            panic!("the gpu-tests feature is on, but no CUDA device could be opened: {e}")
-        })
-    }
-}
-
-suite!(host);
-#[cfg(feature = "gpu-tests")]
-suite!(cuda);
+suites!(
+    sizes_and_alignment,
+    more_than_half_the_device,
+    invalid_requests,
+    small_allocations_are_packed,
+    checkerboard_is_served_by_remapping,
+    trim_returns_every_chunk,
+    trim_keeps_live_chunks,
+    attributes_and_current_pool,
+    many_threads,
+    pool_limit,
+);
 
 // ---- host only: a small device, filled up, and injected faults ---------------
 

@@ -10,6 +10,8 @@ use std::time::Duration;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, Stream, DEFAULT_CHUNK_SIZE};
 
+mod common;
+
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
 /// One whole growth chunk: an allocation of this size leaves no free space
@@ -79,6 +81,17 @@ pub fn same_stream_reuse_without_synchronization<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// On stream `s`: allocates a whole chunk, runs late, writes it, frees it.
+/// Returns where it was.
+fn late_write_then_free<B: Backend>(ctx: &Context<B>, s: &Stream<B>) -> vmpool::vmm::DevicePtr {
+    let a = ctx.alloc_async(WHOLE, s).unwrap();
+    let ptr = a.ptr();
+    ctx.backend().delay(s.raw(), LATE).unwrap();
+    fill(&**ctx.backend(), s, &a, 0xA1A1_A1A1);
+    ctx.free_async(a, s).unwrap();
+    ptr
+}
+
 /// Stream A runs late, then writes its block and frees it; stream B, with
 /// no dependency on A, allocates the same size and writes. A's late write
 /// must never land on B's data.
@@ -88,11 +101,7 @@ fn race<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats)
         ctx.create_stream(DEV).unwrap(),
         ctx.create_stream(DEV).unwrap(),
     );
-    let a = ctx.alloc_async(WHOLE, &sa).unwrap();
-    let a_ptr = a.ptr();
-    b.delay(sa.raw(), LATE).unwrap();
-    fill(&**b, &sa, &a, 0xA1A1_A1A1);
-    ctx.free_async(a, &sa).unwrap();
+    let a_ptr = late_write_then_free(&ctx, &sa);
     let bb = ctx.alloc_async(WHOLE, &sb).unwrap();
     let same = bb.ptr() == a_ptr;
     fill(&**b, &sb, &bb, 0xB2B2_B2B2);
@@ -137,11 +146,7 @@ pub fn explicit_event_dependency_is_followed<B: Backend>(b: &Arc<B>) {
         ctx.create_stream(DEV).unwrap(),
         ctx.create_stream(DEV).unwrap(),
     );
-    let a = ctx.alloc_async(WHOLE, &sa).unwrap();
-    let a_ptr = a.ptr();
-    b.delay(sa.raw(), LATE).unwrap();
-    fill(&**b, &sa, &a, 1);
-    ctx.free_async(a, &sa).unwrap();
+    let a_ptr = late_write_then_free(&ctx, &sa);
     let e = ctx.create_event(DEV).unwrap();
     ctx.record_event(&e, &sa).unwrap();
     ctx.stream_wait_event(&sb, &e).unwrap();
@@ -313,56 +318,17 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
-macro_rules! suite {
-    ($backend:ident) => {
-        mod $backend {
-            suite!(@cases $backend, [
-                same_stream_reuse_without_synchronization,
-                cross_stream_race_with_switches_on,
-                cross_stream_race_with_switches_off,
-                internal_dependency_reuses_instead_of_growing,
-                explicit_event_dependency_is_followed,
-                dependencies_follow_a_chain_of_streams,
-                completed_frees_are_reused_opportunistically,
-                threshold_zero_goes_to_the_driver_every_iteration,
-                high_threshold_never_goes_to_the_driver_after_the_first,
-                library_allocates_in_function_scope,
-                free_async_to_another_context_fails,
-                many_threads_many_streams
-            ]);
-        }
-    };
-    (@cases $backend:ident, [$($case:ident),*]) => {
-        $(
-            #[test]
-            fn $case() {
-                super::$case(&super::open::$backend());
-            }
-        )*
-    };
-}
-
-mod open {
-    use std::sync::Arc;
-    use vmpool::vmm::host::{Host, HostConfig};
-
-    pub fn host() -> Arc<Host> {
-        Host::new(HostConfig {
-            devices: 1,
-            memory_per_device: 1 << 30,
-            granularity: 2 << 20,
-        })
-        .unwrap()
-    }
-
-    #[cfg(feature = "gpu-tests")]
-    pub fn cuda() -> Arc<vmpool::vmm::cuda::Cuda> {
-        vmpool::vmm::cuda::Cuda::new().unwrap_or_else(|e| {
-            panic!("the gpu-tests feature is on, but no CUDA device could be opened: {e}")
-        })
-    }
-}
-
-suite!(host);
-#[cfg(feature = "gpu-tests")]
-suite!(cuda);
+suites!(
+    same_stream_reuse_without_synchronization,
+    cross_stream_race_with_switches_on,
+    cross_stream_race_with_switches_off,
+    internal_dependency_reuses_instead_of_growing,
+    explicit_event_dependency_is_followed,
+    dependencies_follow_a_chain_of_streams,
+    completed_frees_are_reused_opportunistically,
+    threshold_zero_goes_to_the_driver_every_iteration,
+    high_threshold_never_goes_to_the_driver_after_the_first,
+    library_allocates_in_function_scope,
+    free_async_to_another_context_fails,
+    many_threads_many_streams,
+);
