@@ -9,7 +9,8 @@
 //!
 //! Runs on the GPU when one is present, else on the host backend, and says
 //! which. Writes a picture of the address space before and after
-//! (`defrag.svg`): one colour per chunk, so moved chunks can be followed.
+//! (`target/defrag.svg`): one colour per chunk, so moved chunks can be
+//! followed.
 //!
 //!     cargo run --release --example defrag [-- --backend host|cuda --svg FILE]
 //!     RUST_LOG=vmpool=debug cargo run --release --example defrag   # every grow, remap, trim
@@ -36,7 +37,7 @@ struct Args {
     #[arg(long, value_enum, default_value = "auto")]
     backend: common::Which,
     /// Where to write the picture.
-    #[arg(long, default_value = "defrag.svg")]
+    #[arg(long, default_value = "target/defrag.svg")]
     svg: PathBuf,
 }
 

@@ -50,8 +50,10 @@ for job in $jobs; do
         done
         ;;
     examples)
-        # From the output folder, so that files they write (defrag.svg) come back.
+        # From the output folder, so that what they write (target/defrag.svg)
+        # comes back.
         pushd "$outdir" >/dev/null || exit 1
+        mkdir -p target
         for exe in "$here"/examples/*; do
             run "example $(basename "$exe")" "$exe"
         done

@@ -170,6 +170,11 @@ impl<B: Backend> Context<B> {
 
     /// Frees in stream order to the allocation's own pool (`cudaFreeAsync`).
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
+        // Usually the device's current pool: found without a search.
+        let current = self.current_pool(allocation.device())?;
+        if current.owns(&allocation) {
+            return current.free_async(allocation, stream);
+        }
         match self.pools().into_iter().find(|p| p.owns(&allocation)) {
             Some(pool) => pool.free_async(allocation, stream),
             None => Err(Error::WrongPool {

@@ -271,6 +271,7 @@ pub struct Allocation {
     pool: u64,
     /// Its id in the pool's recorded trace (0 when not recording).
     trace_id: u64,
+    device: DeviceId,
 }
 
 impl Allocation {
@@ -281,6 +282,11 @@ impl Allocation {
     /// The size asked for.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The device of the pool it came from.
+    pub fn device(&self) -> DeviceId {
+        self.device
     }
 }
 
@@ -680,6 +686,7 @@ impl<B: Backend> Pool<B> {
             block: p.block,
             pool: self.0.id,
             trace_id,
+            device: self.0.space.device,
         }
     }
 
