@@ -325,9 +325,7 @@ fn run<B: Backend>(
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .init();
+    common::init_tracing();
     let args = Args::parse();
     let cuda = common::open(args.backend)?;
     match &cuda {

@@ -13,6 +13,14 @@ pub enum Which {
     Host,
 }
 
+/// Logs what vmpool does as `RUST_LOG` asks (`vmpool=debug`: growth,
+/// remaps, trims; `vmpool=trace`: every allocation too).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
+}
+
 /// The CUDA backend if `which` asks for it (or allows it and a GPU can be
 /// opened); `None` for the host backend. Says which, and why.
 pub fn open(which: Which) -> Result<Option<Arc<Cuda>>> {
@@ -31,7 +39,8 @@ pub fn open(which: Which) -> Result<Option<Arc<Cuda>>> {
 /// Runs the generic `$run(backend, ..)` on the backend `$which` selects.
 #[macro_export]
 macro_rules! on_backend {
-    ($which:expr, $run:ident $(, $arg:expr)*) => {
+    ($which:expr, $run:ident $(, $arg:expr)*) => {{
+        common::init_tracing();
         match common::open($which)? {
             Some(cuda) => $run(cuda $(, $arg)*),
             None => $run(
@@ -39,5 +48,5 @@ macro_rules! on_backend {
                 $(, $arg)*
             ),
         }
-    };
+    }};
 }

@@ -148,6 +148,10 @@ fn bench_cuda_peers(cuda: &Arc<vmm::cuda::Cuda>, figures: &mut Figures) -> Resul
 }
 
 fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args = Args::parse();
     let mut figures = Figures::default();
     let backend = match args.backend {
