@@ -891,13 +891,25 @@ impl<B: Backend> Inner<B> {
                 None => None,
             },
         };
-        let (addr, block) = match found {
-            Some(found) => found,
+        let (arena, (addr, block)) = match found {
+            Some(found) => (arena, found),
             None => {
                 let started = std::time::Instant::now();
                 let grown = self.grow(space, arena, size);
                 self.stats.grow_nanos += started.elapsed().as_nanos() as u64;
-                self.arenas[arena].heap.alloc_from(grown?, size)
+                match grown {
+                    Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
+                    // The device is full, but the other arena may have room:
+                    // better there than out of memory.
+                    Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                        let other = 1 - arena;
+                        match self.arenas[other].heap.alloc(size) {
+                            Some(found) => (other, found),
+                            None => return Err(Error::Driver(e)),
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         };
         self.stats.allocations += 1;
