@@ -332,3 +332,86 @@ suites!(
     free_async_to_another_context_fails,
     many_threads_many_streams,
 );
+
+// ---- host only: injected faults on the stream-ordered paths --------------------
+
+mod faults {
+    use super::*;
+    use vmpool::vmm::faulty::{Call, Faulty};
+    use vmpool::vmm::host::{Census, Host, HostConfig};
+
+    /// Cross-stream reuse through every rule, on a pool whose driver calls
+    /// may fail: errors are allowed, inconsistency is not.
+    fn workload<B: Backend>(ctx: &Context<B>, pool: &vmpool::Pool<B>) {
+        let s: Vec<Stream<B>> = (0..3).map(|_| ctx.create_stream(DEV).unwrap()).collect();
+        let mut live: Vec<(Allocation, usize)> = Vec::new();
+        for i in 0..30usize {
+            let on = i % 3;
+            if let Ok(a) = ctx.alloc_async(WHOLE / 2 + (i as u64 % 3) * MIB, &s[on]) {
+                live.push((a, on));
+            }
+            if live.len() > 3 {
+                // Freed on another stream than it was allocated on.
+                let (a, on) = live.remove(0);
+                ctx.free_async(a, &s[(on + 1) % 3]).unwrap();
+            }
+            if i % 7 == 0 {
+                let e = ctx.create_event(DEV);
+                if let Ok(e) = e {
+                    if ctx.record_event(&e, &s[on]).is_ok() {
+                        let _ = ctx.stream_wait_event(&s[(on + 2) % 3], &e);
+                    }
+                }
+            }
+            pool.audit().unwrap();
+        }
+        for (a, on) in live {
+            ctx.free_async(a, &s[on]).unwrap();
+        }
+        ctx.synchronize_device(DEV).unwrap();
+        pool.audit().unwrap();
+        let st = pool.stats();
+        assert_eq!((st.used_bytes, st.pending_bytes), (0, 0));
+        assert!(
+            st.frees_completed + st.dependency_reuses + st.waits_inserted > 0,
+            "no cross-stream path ran: {st:?}"
+        );
+    }
+
+    #[test]
+    fn every_injected_fault_leaves_the_pool_consistent() {
+        let mut injected = 0;
+        for call in [
+            Call::CreateEvent,
+            Call::RecordEvent,
+            Call::StreamWaitEvent,
+            Call::CreateChunk,
+            Call::Map,
+        ] {
+            for n in 0.. {
+                let host = Host::new(HostConfig {
+                    devices: 1,
+                    memory_per_device: 1 << 30,
+                    granularity: 2 << 20,
+                })
+                .unwrap();
+                let b = Faulty::new(Arc::clone(&host));
+                b.fail_nth(call, n);
+                let fired;
+                {
+                    let (ctx, pool) = setup(&b, ALL_ON);
+                    workload(&ctx, &pool);
+                    fired = b.disarm();
+                    pool.trim_to(0).unwrap();
+                    assert_eq!(pool.stats().reserved_bytes, 0, "{call:?} #{n}");
+                }
+                assert_eq!(host.census(), Census::default(), "{call:?} #{n} leaked");
+                if !fired {
+                    break;
+                }
+                injected += 1;
+            }
+        }
+        assert!(injected > 20, "only {injected} faults were injected");
+    }
+}
