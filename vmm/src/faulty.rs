@@ -6,7 +6,6 @@
 //! b.fail_nth(Call::Map, 3);   // the 4th map from now fails, once
 //! ```
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,19 +30,6 @@ pub enum Call {
 }
 
 impl Call {
-    pub const ALL: [Call; 10] = [
-        Call::Reserve,
-        Call::FreeReservation,
-        Call::CreateChunk,
-        Call::ReleaseChunk,
-        Call::Map,
-        Call::Unmap,
-        Call::SetAccess,
-        Call::CreateEvent,
-        Call::RecordEvent,
-        Call::StreamWaitEvent,
-    ];
-
     fn name(self) -> &'static str {
         match self {
             Call::Reserve => "reserve",
@@ -62,7 +48,6 @@ impl Call {
 
 pub struct Faulty<B: Backend> {
     inner: Arc<B>,
-    calls: [AtomicU64; Call::ALL.len()],
     /// The call to fail and how many more of it to let through first.
     armed: Mutex<Option<(Call, u64)>>,
 }
@@ -71,13 +56,8 @@ impl<B: Backend> Faulty<B> {
     pub fn new(inner: Arc<B>) -> Arc<Self> {
         Arc::new(Self {
             inner,
-            calls: Default::default(),
             armed: Mutex::new(None),
         })
-    }
-
-    pub fn inner(&self) -> &Arc<B> {
-        &self.inner
     }
 
     /// The `n`-th call of `call` from now (0: the next one) fails, once.
@@ -94,13 +74,7 @@ impl<B: Backend> Faulty<B> {
             .is_none()
     }
 
-    /// How many times `call` was made (failed ones included).
-    pub fn count(&self, call: Call) -> u64 {
-        self.calls[call as usize].load(Ordering::Relaxed)
-    }
-
     fn enter(&self, call: Call) -> Result<()> {
-        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
         let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
         match &mut *armed {
             Some((c, 0)) if *c == call => {

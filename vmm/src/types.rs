@@ -30,11 +30,6 @@ impl DevicePtr {
         )
     }
 
-    /// Bytes from `base` up to `self`; `None` if `self` is below `base`.
-    pub fn offset_from(self, base: DevicePtr) -> Option<usize> {
-        self.0.checked_sub(base.0).map(|d| d as usize)
-    }
-
     pub fn is_aligned(self, alignment: usize) -> bool {
         alignment != 0 && self.0 % alignment as u64 == 0
     }

@@ -97,10 +97,6 @@ impl Host {
         Ok(Arc::new(Self { config, memory }))
     }
 
-    pub fn config(&self) -> &HostConfig {
-        &self.config
-    }
-
     /// What the backend holds right now, to check that nothing leaked.
     pub fn census(&self) -> Census {
         let tables = self.memory.tables();
