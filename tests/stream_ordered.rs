@@ -337,8 +337,7 @@ suites!(
 
 mod faults {
     use super::*;
-    use vmpool::vmm::faulty::{Call, Faulty};
-    use vmpool::vmm::host::{Census, Host, HostConfig};
+    use vmpool::vmm::faulty::Call;
 
     /// Cross-stream reuse through every rule, on a pool whose driver calls
     /// may fail: errors are allowed, inconsistency is not.
@@ -380,38 +379,21 @@ mod faults {
 
     #[test]
     fn every_injected_fault_leaves_the_pool_consistent() {
-        let mut injected = 0;
-        for call in [
+        let calls = [
             Call::CreateEvent,
             Call::RecordEvent,
             Call::StreamWaitEvent,
             Call::CreateChunk,
             Call::Map,
-        ] {
-            for n in 0.. {
-                let host = Host::new(HostConfig {
-                    devices: 1,
-                    memory_per_device: 1 << 30,
-                    granularity: 2 << 20,
-                })
-                .unwrap();
-                let b = Faulty::new(Arc::clone(&host));
-                b.fail_nth(call, n);
-                let fired;
-                {
-                    let (ctx, pool) = setup(&b, ALL_ON);
-                    workload(&ctx, &pool);
-                    fired = b.disarm();
-                    pool.trim_to(0).unwrap();
-                    assert_eq!(pool.stats().reserved_bytes, 0, "{call:?} #{n}");
-                }
-                assert_eq!(host.census(), Census::default(), "{call:?} #{n} leaked");
-                if !fired {
-                    break;
-                }
-                injected += 1;
-            }
-        }
+        ];
+        let injected = crate::common::at_every_call_site(&calls, |b| {
+            let (ctx, pool) = setup(b, ALL_ON);
+            workload(&ctx, &pool);
+            let fired = b.disarm();
+            pool.trim_to(0).unwrap();
+            assert_eq!(pool.stats().reserved_bytes, 0);
+            fired
+        });
         assert!(injected > 20, "only {injected} faults were injected");
     }
 }

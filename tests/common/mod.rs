@@ -49,3 +49,39 @@ macro_rules! suites {
         }
     };
 }
+
+/// Makes the n-th call of each kind in `calls` fail, for n = 0, 1, ... in
+/// turn, each time on a fresh host backend, until `scenario` makes fewer
+/// than n such calls. `scenario` builds its pool on the backend, checks it
+/// stayed consistent, and returns whether the fault fired (what
+/// `Faulty::disarm` says). After each run the backend must hold nothing.
+/// Returns how many faults were injected.
+pub fn at_every_call_site(
+    calls: &[vmpool::vmm::faulty::Call],
+    scenario: impl Fn(&Arc<vmpool::vmm::faulty::Faulty<Host>>) -> bool,
+) -> usize {
+    let mut injected = 0;
+    for &call in calls {
+        for n in 0.. {
+            let host = Host::new(HostConfig {
+                devices: 1,
+                memory_per_device: 1 << 30,
+                granularity: 2 << 20,
+            })
+            .unwrap();
+            let b = vmpool::vmm::faulty::Faulty::new(Arc::clone(&host));
+            b.fail_nth(call, n);
+            let fired = scenario(&b);
+            assert_eq!(
+                host.census(),
+                vmpool::vmm::host::Census::default(),
+                "{call:?} #{n} leaked"
+            );
+            if !fired {
+                break;
+            }
+            injected += 1;
+        }
+    }
+    injected
+}
