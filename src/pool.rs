@@ -850,10 +850,23 @@ impl<B: Backend> Pool<B> {
 
 impl<B: Backend> Drop for Shared<B> {
     /// Memory freed in stream order may still be in use on its stream:
-    /// wait for those streams before the mappings go.
+    /// wait for those streams before the mappings go. Memory still
+    /// allocated when the last handle to the pool goes stays mapped, as
+    /// with CUDA's pools, so that no live pointer dangles; with no pool left
+    /// to free it to, it stays until the process ends.
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         inner.wait_for_pending_frees(&self.space.backend);
+        let used = self.used.load(Ordering::Relaxed);
+        if used > 0 {
+            tracing::warn!(
+                pool = self.id,
+                used,
+                "pool dropped with live allocations: their memory stays mapped"
+            );
+            std::mem::forget(std::mem::take(&mut inner.units));
+            std::mem::forget(std::mem::take(&mut inner.quarantine));
+        }
         if let Some(recorder) = &self.recorder {
             if let Err(err) = lock(recorder).out.flush() {
                 tracing::warn!(%err, "writing the allocation trace failed");

@@ -277,6 +277,22 @@ pub fn many_threads<B: Backend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// As with CUDA's pools: dropping the pool (and its context) with memory
+/// still allocated leaves that memory mapped and usable.
+pub fn live_memory_outlives_its_pool<B: Backend>(b: &Arc<B>) {
+    let s = b.create_stream(DEV).unwrap();
+    let survivor = {
+        let ctx = Context::new(Arc::clone(b)).unwrap();
+        let pool = small_pool(&ctx);
+        let a = pool.allocate(3 * MIB).unwrap();
+        let gone = pool.allocate(5 * MIB).unwrap();
+        pool.free(gone).unwrap();
+        a
+    };
+    fill(&**b, &s, &survivor, 0x5A5A);
+    check(&**b, &s, &survivor, 0x5A5A);
+}
+
 pub fn pool_limit<B: Backend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
@@ -307,6 +323,7 @@ suites!(
     trim_keeps_live_chunks,
     attributes_and_current_pool,
     many_threads,
+    live_memory_outlives_its_pool,
     pool_limit,
 );
 
