@@ -1,6 +1,8 @@
 //! A tour of the driver layer: reserve address space, create chunks, map,
 //! write, remap a chunk elsewhere and read its data back, order work across
-//! streams with events; each step timed. Runs on the GPU when one is present,
+//! streams with events; each step timed. Then what each step of growing and
+//! moving physical memory costs per chunk size (medians), which is what the
+//! pool's chunk size is chosen from. Runs on the GPU when one is present,
 //! else on the host backend, and says which.
 //!
 //!     cargo run --release --example driver_tour [-- --backend host|cuda]
@@ -104,6 +106,51 @@ fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
         start.elapsed().as_secs_f64() * 1e3,
         b.query_event(&event)?
     );
+    chunk_costs(b, &range)
+}
+
+/// Median microseconds of each driver step for one chunk of several sizes:
+/// the cost model behind the pool's growth chunk size.
+fn chunk_costs<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+    const ROUNDS: usize = 15;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("\nper chunk, median of {ROUNDS} (us): create, map, set access, unmap, release, and a move (unmap + map + set access)");
+    println!(
+        "{:>10} {:>8} {:>8} {:>11} {:>8} {:>8} {:>8}",
+        "size", "create", "map", "set access", "unmap", "release", "move"
+    );
+    for mib in [2usize, 8, 32, 64, 256] {
+        let size = mib << 20;
+        let mut t = [(); 6].map(|_| Vec::with_capacity(ROUNDS));
+        for _ in 0..ROUNDS {
+            let us = |start: Instant| start.elapsed().as_secs_f64() * 1e6;
+            let start = Instant::now();
+            let chunk = Chunk::new(b, DEV, size)?;
+            t[0].push(us(start));
+            let start = Instant::now();
+            let m = Mapping::new(range, 1 << 38, &chunk)?;
+            t[1].push(us(start));
+            let start = Instant::now();
+            m.set_access(&[AccessDesc::read_write(DEV)])?;
+            t[2].push(us(start));
+            let start = Instant::now();
+            m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+            t[3].push(us(start));
+            let start = Instant::now();
+            let moved = Mapping::new(range, 3 << 38, &chunk)?;
+            moved.set_access(&[AccessDesc::read_write(DEV)])?;
+            moved.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+            t[5].push(us(start));
+            let start = Instant::now();
+            drop(chunk);
+            t[4].push(us(start));
+        }
+        let [create, map, access, unmap, release, moved] = t.map(median);
+        println!("{:>7} MiB {create:>8.1} {map:>8.1} {access:>11.1} {unmap:>8.1} {release:>8.1} {moved:>8.1}", mib);
+    }
     Ok(())
 }
 
