@@ -95,8 +95,8 @@ impl Recorder {
 }
 
 /// The default largest growth chunk: 32 MiB, a measured choice. Each chunk
-/// costs a fixed ~35-60 us to create, map and give access to on the H200
-/// whatever its size, so small chunks make growth slow; physical memory moves
+/// costs a fixed ~53 us to create, map and give access to on the H200, and
+/// ~65 us to move, whatever its size, so small chunks make growth slow; physical memory moves
 /// only in whole chunks, so large ones strand free memory. On the shared
 /// traces, 32 MiB keeps the footprint of 2 MiB chunks (1.0092 / 1.0036
 /// against 1.0092 / 1.0023) and replays 4 to 5 times faster on the GPU
