@@ -170,10 +170,14 @@ impl<B: Backend> Context<B> {
 
     /// Frees in stream order to the allocation's own pool (`cudaFreeAsync`).
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
-        // Usually the device's current pool: found without a search.
-        let current = self.current_pool(allocation.device())?;
-        if current.owns(&allocation) {
-            return current.free_async(allocation, stream);
+        // Usually the device's current pool: found without a search (and
+        // without creating a default pool just to look at it).
+        let slot = self.slot(allocation.device())?;
+        let current = lock(&slot.current)
+            .clone()
+            .or_else(|| lock(&slot.default).clone());
+        if let Some(pool) = current.filter(|p| p.owns(&allocation)) {
+            return pool.free_async(allocation, stream);
         }
         match self.pools().into_iter().find(|p| p.owns(&allocation)) {
             Some(pool) => pool.free_async(allocation, stream),
