@@ -23,6 +23,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
+    # tests/soak.rs runs the soak binary by its path on this machine, on the
+    # host backend; the GPU machine runs the binary itself (the soak job).
+    [ "$name" = soak ] && continue
     cp "$exe" "$bundle/tests/$name"
 done
 

@@ -3,7 +3,8 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay]   (default: all)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak]
+#   (default: all but soak; soak runs SOAK_SECONDS, default 300)
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
@@ -62,6 +63,9 @@ for job in $jobs; do
     bench)
         run "bench" "$here/bin/vmpool-bench" --backend cuda
         run "bench (json)" "$here/bin/vmpool-bench" --backend cuda --json
+        ;;
+    soak)
+        run "soak" "$here/bin/vmpool-soak" --backend cuda --threads 8 --seconds "${SOAK_SECONDS:-300}"
         ;;
     replay)
         for trace in "$here"/traces/*; do
