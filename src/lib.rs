@@ -1,5 +1,16 @@
 //! vmpool: a defragmenting, stream-ordered GPU memory allocator.
 //!
+//! ```text
+//!   Context        per device: pools (default, current, explicit), streams, events
+//!     Pool         one VA reservation, chunks mapped into it, a heap per arena
+//!       allocate / free                 synchronous
+//!       allocate_async / free_async     stream-ordered (Context::alloc_async, free_async)
+//!     Stream       a backend stream, plus what vmpool knows of its order and
+//!                  the frees it has pending
+//!   trace          the shared trace format: read (vmpool-replay), written by
+//!                  pools that record (PoolProps::record, VMPOOL_RECORD)
+//! ```
+//!
 //! The allocator is safe Rust: it does address arithmetic and bookkeeping
 //! over the driver layer [`vmm`], where all `unsafe` code lives. An
 //! allocator whose bookkeeping cannot corrupt memory is easier to trust.

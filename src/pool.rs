@@ -3,8 +3,9 @@
 //!
 //! ```text
 //!  reservation  [base ................................................. base+va_size)
-//!  units        [unit A ][unit B      ]      [unit C]           (mapped ranges; each
-//!                                                                one chunk, or part of one)
+//!  units        [unit A ][unit B      ]      [unit C]           (each one whole chunk,
+//!                                                                mapped: the driver maps
+//!                                                                nothing smaller)
 //!  heap         [a1|free|a2  |  free   ]      [ a3  ]           (allocations packed at
 //!                                                                256-byte granularity)
 //!  spares       chunks not mapped anywhere, kept for reuse
@@ -18,13 +19,18 @@
 //! An allocation takes a free block from the heap when one fits (no driver
 //! call). When none fits, the pool grows a contiguous range: it extends the
 //! free block that ends a mapped region (or picks an unmapped gap) and backs
-//! the new part with spare pieces, then with whole free units unmapped from
-//! elsewhere (the defragmenting remap), and only then with a new chunk. A
+//! the new part with spare chunks, then with whole free units unmapped from
+//! elsewhere (the defragmenting remap), and only then with new chunks. A
 //! unit moves only when no live byte is on it, so a pointer never moves.
 //!
+//! Stream-ordered frees do not go back to the heap at once: they wait with
+//! their stream (see `stream.rs`) until a synchronization or a completed
+//! event shows every stream may use them. The heap therefore only ever
+//! holds memory no queued work can touch, which is what makes unmapping,
+//! moving and releasing its chunks safe.
+//!
 //! Physical accounting: a chunk counts as reserved from its creation until
-//! its last piece (mapped or spare) is dropped, which is when the driver
-//! frees it.
+//! the pool releases it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
@@ -344,6 +350,8 @@ struct Inner<B: Backend> {
     reserved: u64,
     reserved_high: u64,
     release_threshold: u64,
+    /// The reuse switches, in order: follow event dependencies,
+    /// opportunistic, internal dependencies.
     reuse: [bool; 3],
     stats: PoolStats,
     /// Streams with pending frees in this pool, by stream id. The frees
