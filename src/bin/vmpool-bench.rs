@@ -21,19 +21,16 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use anyhow::Result;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
+
+mod common;
+use common::BackendKind;
 
 const DEV: DeviceId = DeviceId(0);
 const SIZES: [u64; 3] = [256, 1 << 20, 64 << 20];
 const BATCHES: usize = 31;
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendKind {
-    Host,
-    Cuda,
-}
 
 #[derive(Parser)]
 #[command(about = "Time stream-ordered alloc + free pairs: vmpool and CUDA's allocators")]
@@ -148,10 +145,7 @@ fn bench_cuda_peers(cuda: &Arc<vmm::cuda::Cuda>, figures: &mut Figures) -> Resul
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let args = Args::parse();
     let mut figures = Figures::default();
     let backend = match args.backend {

@@ -23,11 +23,8 @@ use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendKind {
-    Host,
-    Cuda,
-}
+mod common;
+use common::BackendKind;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum AllocatorKind {
@@ -206,10 +203,7 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Repo
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let args = Args::parse();
     let trace = Trace::read(
         File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,

@@ -10,23 +10,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, Stream};
+
+mod common;
+use common::BackendKind;
 
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
 /// Bytes checked at each end of an allocation, and words in between.
 const CHECK_EDGE: u64 = 64 << 10;
 const CHECK_WORDS: usize = 16;
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendKind {
-    Host,
-    Cuda,
-}
 
 #[derive(Parser)]
 #[command(about = "Soak vmpool's stream-ordered allocator for a bounded time")]
@@ -224,10 +221,7 @@ fn soak<B: Backend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Value> {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let args = Args::parse();
     let report = match args.backend {
         BackendKind::Host => soak(
