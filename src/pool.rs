@@ -32,7 +32,7 @@
 //! Physical accounting: a chunk counts as reserved from its creation until
 //! the pool releases it.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -315,6 +315,9 @@ impl<B: Backend> Space<B> {
 
 /// Allocations below this size share the small arena.
 pub const SMALL_LIMIT: u64 = 1 << 20;
+
+/// A unit with no live byte: (address, size, the free heap block holding it).
+type FreeUnit = (u64, u64, BlockId);
 
 /// One part of the reservation, with its own heap of mapped free space.
 struct Arena {
@@ -1149,7 +1152,13 @@ impl<B: Backend> Inner<B> {
     /// is still accounted for (mapped, spare or released).
     #[cold]
     fn grow(&mut self, space: &Space<B>, arena: usize, size: u64) -> Result<BlockId> {
-        let plan = self.plan(space, arena, size)?;
+        // Without defragmentation, nothing unused is moved: new memory only.
+        let free = if space.defragment {
+            self.free_units()
+        } else {
+            Vec::new()
+        };
+        let plan = self.plan(space, arena, size, &free)?;
         let span = tracing::debug_span!(
             "grow",
             size,
@@ -1158,7 +1167,7 @@ impl<B: Backend> Inner<B> {
             extends = plan.target.extends
         );
         let _enter = span.enter();
-        let chunks = self.gather(space, &plan.sources)?;
+        let chunks = self.gather(space, &plan.sources, &free)?;
         self.map_at(space, plan.target.start, chunks)?;
         self.stats.grows += 1;
         Ok(self.arenas[arena]
@@ -1166,7 +1175,8 @@ impl<B: Backend> Inner<B> {
             .insert_free(plan.target.start, plan.len()))
     }
 
-    fn plan(&self, space: &Space<B>, arena: usize, size: u64) -> Result<Plan> {
+    /// `free`: the free units growth may move (see [`Inner::free_units`]).
+    fn plan(&self, space: &Space<B>, arena: usize, size: u64, free: &[FreeUnit]) -> Result<Plan> {
         let Arena {
             heap,
             start,
@@ -1194,20 +1204,12 @@ impl<B: Backend> Inner<B> {
             prev_end = va + m.size() as u64;
         }
         gaps.push((prev_end, end - prev_end));
-        // Without defragmentation, nothing unused is moved: new memory only.
         let spares: Vec<u64> = if space.defragment {
             self.spares.iter().map(|c| c.size() as u64).collect()
         } else {
             Vec::new()
         };
-        let units: Vec<(u64, u64)> = if space.defragment {
-            self.free_units()
-                .iter()
-                .map(|&(va, len, _)| (va, len))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let units: Vec<(u64, u64)> = free.iter().map(|&(va, len, _)| (va, len)).collect();
         let inputs = plan::Inputs {
             tails: &tails,
             gaps: &gaps,
@@ -1222,9 +1224,8 @@ impl<B: Backend> Inner<B> {
         })
     }
 
-    /// Units with no live byte, in both arenas: (address, size, the free
-    /// block holding it).
-    fn free_units(&self) -> Vec<(u64, u64, BlockId)> {
+    /// Units with no live byte, in both arenas.
+    fn free_units(&self) -> Vec<FreeUnit> {
         let mut found = Vec::new();
         for arena in &self.arenas {
             arena.heap.for_each_free(|addr, len, block| {
@@ -1243,16 +1244,12 @@ impl<B: Backend> Inner<B> {
         &mut self.arenas[usize::from(!small)].heap
     }
 
-    /// Takes free units out of the heap and unmaps them, right to left so
-    /// that each free block's id stays valid for the units left of it.
-    /// Returns their chunks by the address they had. A unit that fails to
-    /// unmap goes back in the heap; the chunks unmapped before it are spare.
-    fn unmap_units(&mut self, at: &[u64]) -> Result<Vec<(u64, Arc<Chunk<B>>)>> {
-        let mut units: Vec<(u64, u64, BlockId)> = self
-            .free_units()
-            .into_iter()
-            .filter(|(va, _, _)| at.contains(va))
-            .collect();
+    /// Takes free units (as [`Inner::free_units`] lists them) out of the
+    /// heap and unmaps them, right to left so that each free block's id
+    /// stays valid for the units left of it. Returns their chunks by the
+    /// address they had. A unit that fails to unmap goes back in the heap;
+    /// the chunks unmapped before it are spare.
+    fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<(u64, Arc<Chunk<B>>)>> {
         units.sort_by_key(|&(va, _, _)| std::cmp::Reverse(va));
         let mut chunks = Vec::new();
         for (va, len, block) in units {
@@ -1277,16 +1274,26 @@ impl<B: Backend> Inner<B> {
 
     /// Collects the chunks a plan names, in its order. On failure the chunks
     /// this call created are released again and the others are spare.
-    fn gather(&mut self, space: &Space<B>, sources: &[Source]) -> Result<Vec<Arc<Chunk<B>>>> {
-        let moving: Vec<u64> = sources
+    /// `free`: the free units the plan was made from.
+    fn gather(
+        &mut self,
+        space: &Space<B>,
+        sources: &[Source],
+        free: &[FreeUnit],
+    ) -> Result<Vec<Arc<Chunk<B>>>> {
+        let moving: HashSet<u64> = sources
             .iter()
             .filter_map(|s| match *s {
                 Source::Unit { va, .. } => Some(va),
                 _ => None,
             })
             .collect();
-        let mut moved: HashMap<u64, Arc<Chunk<B>>> =
-            self.unmap_units(&moving)?.into_iter().collect();
+        let units = free
+            .iter()
+            .filter(|(va, _, _)| moving.contains(va))
+            .copied()
+            .collect();
+        let mut moved: HashMap<u64, Arc<Chunk<B>>> = self.unmap_units(units)?.into_iter().collect();
         let mut spares: Vec<Option<Arc<Chunk<B>>>> = self.spares.drain(..).map(Some).collect();
         let mut chunks = Vec::new();
         let mut created = Vec::new();
@@ -1426,15 +1433,11 @@ impl<B: Backend> Inner<B> {
         let _enter = span.enter();
         self.stats.trims += 1;
         // Spare chunks and free units can go, largest first.
-        let mut candidates: Vec<(u64, Option<u64>)> = self
+        let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
             .spares
             .iter()
             .map(|c| (c.size() as u64, None))
-            .chain(
-                self.free_units()
-                    .iter()
-                    .map(|&(va, len, _)| (len, Some(va))),
-            )
+            .chain(self.free_units().into_iter().map(|u| (u.1, Some(u))))
             .collect();
         candidates.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
         let mut after = self.reserved;
@@ -1446,7 +1449,7 @@ impl<B: Backend> Inner<B> {
             }
             after -= size;
             match va {
-                Some(va) => units.push(va),
+                Some(unit) => units.push(unit),
                 None => spare_count += 1,
             }
         }
@@ -1456,7 +1459,7 @@ impl<B: Backend> Inner<B> {
         for chunk in going {
             self.release(chunk);
         }
-        for (_, chunk) in self.unmap_units(&units)? {
+        for (_, chunk) in self.unmap_units(units)? {
             self.release(chunk);
         }
         Ok(())
