@@ -84,8 +84,16 @@ impl<B: Backend> Context<B> {
     // ---- the stream-ordered front end ------------------------------------
 
     pub fn create_stream(&self, device: DeviceId) -> Result<Stream<B>> {
+        self.slot(device)?;
+        self.adopt_stream(self.backend.create_stream(device)?, device)
+    }
+
+    /// Makes a backend stream of `device` a vmpool stream: one made outside
+    /// vmpool, such as one from [`Backend::borrow_stream`] (the C interface
+    /// wraps its callers' streams this way).
+    pub fn adopt_stream(&self, raw: B::Stream, device: DeviceId) -> Result<Stream<B>> {
         let slot = self.slot(device)?;
-        let stream = Stream::new(self.backend.create_stream(device)?, device);
+        let stream = Stream::new(raw, device);
         let mut streams = lock(&slot.streams);
         streams.retain(|w| w.strong_count() > 0);
         streams.push(Arc::downgrade(&stream.0));

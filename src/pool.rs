@@ -908,9 +908,14 @@ impl<B: Backend> Inner<B> {
                         return Ok(p);
                     }
                     if self.reuse[1] {
+                        // Events just recorded on idle streams complete at
+                        // once: better their frees than new memory.
                         self.record_pending(space)?;
+                        self.collect_completed(space)?;
+                        self.arenas[arena].heap.alloc(size)
+                    } else {
+                        None
                     }
-                    None
                 }
                 None => None,
             },

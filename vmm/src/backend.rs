@@ -71,6 +71,18 @@ pub trait Backend: Send + Sync + 'static {
     // ---- streams and events ----------------------------------------------
 
     fn create_stream(&self, device: DeviceId) -> Result<Self::Stream>;
+    /// A stream made by someone else, for vmpool to order its work on:
+    /// the runtime API's default stream, a library's stream. Dropping the
+    /// returned value leaves the stream alone. The host backend has no
+    /// foreign streams: it returns a new stream of its own standing in for
+    /// `handle`, so a caller keeps one per handle.
+    ///
+    /// # Safety
+    /// On the CUDA backend `handle` is a `CUstream` of `device`'s primary
+    /// context (0 or `CU_STREAM_LEGACY` for the legacy default stream; the
+    /// per-thread default stream is refused, as it names a different stream
+    /// on each thread) that stays alive while the returned value is used.
+    unsafe fn borrow_stream(&self, device: DeviceId, handle: usize) -> Result<Self::Stream>;
     /// Blocks until all work queued on `stream` so far has finished; reports
     /// a failure of that work.
     fn synchronize_stream(&self, stream: &Self::Stream) -> Result<()>;

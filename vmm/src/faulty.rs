@@ -141,6 +141,11 @@ impl<B: Backend> Backend for Faulty<B> {
     fn create_stream(&self, device: DeviceId) -> Result<B::Stream> {
         self.inner.create_stream(device)
     }
+    unsafe fn borrow_stream(&self, device: DeviceId, handle: usize) -> Result<B::Stream> {
+        // SAFETY: the caller upholds the trait's contract, which is the
+        // inner backend's.
+        unsafe { self.inner.borrow_stream(device, handle) }
+    }
     fn synchronize_stream(&self, stream: &B::Stream) -> Result<()> {
         self.inner.synchronize_stream(stream)
     }

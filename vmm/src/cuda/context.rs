@@ -1,9 +1,7 @@
 //! One device's primary context, how it is bound to threads, and the delay
 //! kernel loaded into it.
 
-use std::cell::Cell;
 use std::ffi::{c_int, CStr};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::sys;
@@ -40,16 +38,6 @@ $L_spin:
 ";
 const DELAY_ENTRY: &CStr = c"vmm_delay";
 
-/// Source of [`DeviceContext::id`]; 0 is never handed out.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// The [`DeviceContext::id`] of the context vmm last made current on this
-    /// thread, 0 for none. Ids are never reused, so a context that has gone
-    /// can never be mistaken for a live one.
-    static BOUND: Cell<u64> = const { Cell::new(0) };
-}
-
 #[derive(Debug)]
 struct DelayKernel {
     module: sys::CUmodule,
@@ -61,7 +49,6 @@ struct DelayKernel {
 /// outlives every handle made in it.
 #[derive(Debug)]
 pub(super) struct DeviceContext {
-    id: u64,
     ordinal: c_int,
     device: sys::CUdevice,
     ctx: sys::CUcontext,
@@ -85,14 +72,12 @@ impl DeviceContext {
         let ctx = result::device_primary_ctx_retain(device)?;
         // From here on, an early return drops `this`, which releases `ctx`.
         let mut this = Self {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             ordinal,
             device,
             ctx,
             granularity: 0,
             delay: Mutex::new(None),
         };
-        this.bind()?;
         this.granularity = result::mem_get_allocation_granularity(ordinal)?;
         Ok(this)
     }
@@ -111,16 +96,23 @@ impl DeviceContext {
         self.granularity
     }
 
-    /// Makes this context current on the calling thread, unless vmm already
-    /// did and has bound no other since.
-    pub(super) fn bind(&self) -> Result<()> {
-        if BOUND.get() != self.id {
-            // SAFETY: `ctx` stays retained until `self` is dropped, and vmm
-            // only uses it through `self`.
-            unsafe { result::ctx_set_current(self.ctx) }?;
-            BOUND.set(self.id);
+    /// Makes this context current on the calling thread until the guard
+    /// goes, which puts back the context that was current before. vmm runs
+    /// inside programs that bind contexts of their own (PyTorch, through the
+    /// runtime API, binds the current device's primary context), and must
+    /// leave each thread bound as it found it.
+    pub(super) fn bind(&self) -> Result<Bound> {
+        let previous = result::ctx_get_current()?;
+        if previous == self.ctx {
+            return Ok(Bound { previous: None });
         }
-        Ok(())
+        // SAFETY: `ctx` stays retained until `self` is dropped, and the guard
+        // returned, which cannot outlive this call's caller's use of `self`,
+        // unbinds it again.
+        unsafe { result::ctx_set_current(self.ctx) }?;
+        Ok(Bound {
+            previous: Some(previous),
+        })
     }
 
     /// The delay kernel in this context, loaded on first use.
@@ -129,7 +121,7 @@ impl DeviceContext {
         if let Some(kernel) = &*delay {
             return Ok(kernel.function);
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let module = result::module_load_data(DELAY_PTX)?;
         // SAFETY: `module` was just loaded and is not unloaded before this.
         match unsafe { result::module_get_function(module, DELAY_ENTRY) } {
@@ -149,6 +141,27 @@ impl DeviceContext {
     }
 }
 
+/// A context made current by [`DeviceContext::bind`]; dropping it binds the
+/// one that was current before. Not `Send`: it belongs to its thread.
+#[must_use = "the context stays bound only while the guard lives"]
+pub(super) struct Bound {
+    /// The context to put back; `None` when `bind` changed nothing.
+    previous: Option<sys::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: `previous` was current on this thread when the guard
+            // was made, so whoever bound it keeps it alive for this thread;
+            // null (nothing was bound) is accepted and unbinds.
+            if let Err(err) = unsafe { result::ctx_set_current(previous) } {
+                report_drop_error("restoring the caller's current context", &err);
+            }
+        }
+    }
+}
+
 impl Drop for DeviceContext {
     fn drop(&mut self) {
         let delay = self
@@ -158,16 +171,14 @@ impl Drop for DeviceContext {
             .take();
         if let Some(kernel) = delay {
             // Streams destroyed just before may still be running the kernel.
-            let unloaded = self
-                .bind()
-                .and_then(|()| result::ctx_synchronize())
-                .and_then(|()| {
-                    // SAFETY: the module is live and its context current; the
-                    // synchronisation above finished all work in the context,
-                    // and no stream is left to queue more (each holds an owner
-                    // of `self`).
-                    unsafe { result::module_unload(kernel.module) }
-                });
+            let unloaded = self.bind().and_then(|_bound| {
+                result::ctx_synchronize()?;
+                // SAFETY: the module is live and its context current; the
+                // synchronisation above finished all work in the context, and
+                // no stream is left to queue more (each holds an owner of
+                // `self`).
+                unsafe { result::module_unload(kernel.module) }
+            });
             if let Err(err) = unloaded {
                 report_drop_error("unloading the delay module", &err);
             }

@@ -22,12 +22,16 @@
 //! one the runtime API and most libraries share) and keeps it until the
 //! backend and all of its streams and events are gone. Driver calls that need
 //! a current context first bind the device's primary context to the calling
-//! thread with `cuCtxSetCurrent`; a thread-local remembers which context vmm
-//! bound last, so the call is skipped when it is already current. Calls that
-//! name no device (address ranges, unmap, set-access) bind device 0's; stream
-//! and event calls bind the context their stream or event was made in. The
-//! cache assumes nothing else changes the current context of a thread between
-//! vmm calls; code that does should call vmm from threads of its own.
+//! thread, unless `cuCtxGetCurrent` says it is current already, and put back
+//! the thread's previous context afterwards: vmm runs inside programs that
+//! bind contexts of their own (PyTorch binds the current device's), and
+//! leaves every thread as it found it. Calls that name no device (address
+//! ranges, unmap, set-access) bind device 0's; stream and event calls bind
+//! the context their stream or event was made in.
+//!
+//! **Borrowed streams.** [`Backend::borrow_stream`] wraps a stream someone
+//! else made (the legacy default stream, PyTorch's streams) without owning
+//! it: vmm orders its work on it and never destroys it.
 //!
 //! **Validation.** As in the host backend, every address range, chunk handle
 //! and mapping is checked against the backend's own tables before the driver
@@ -260,12 +264,19 @@ impl Drop for Cuda {
     }
 }
 
+/// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` of cuda.h: handles that
+/// name the legacy default stream and the calling thread's default stream.
+const STREAM_LEGACY: usize = 0x1;
+const STREAM_PER_THREAD: usize = 0x2;
+
 /// A CUDA stream (created non-blocking, so it never waits for the legacy
-/// default stream) and the context it lives in.
+/// default stream, or borrowed from its owner) and the context it lives in.
 #[derive(Debug)]
 pub struct CudaStream {
     stream: sys::CUstream,
     context: Arc<DeviceContext>,
+    /// Made by vmm, and destroyed when dropped; else borrowed.
+    owned: bool,
 }
 
 impl CudaStream {
@@ -289,7 +300,10 @@ unsafe impl Sync for CudaStream {}
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        let destroyed = self.context.bind().and_then(|()| {
+        if !self.owned {
+            return;
+        }
+        let destroyed = self.context.bind().and_then(|_bound| {
             // SAFETY: the stream was created in `create_stream`, is destroyed
             // only here, and `self` is going away, so it is never used again.
             unsafe { result::stream_destroy(self.stream) }
@@ -317,7 +331,7 @@ unsafe impl Sync for CudaEvent {}
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        let destroyed = self.context.bind().and_then(|()| {
+        let destroyed = self.context.bind().and_then(|_bound| {
             // SAFETY: the event was created in `create_event`, is destroyed
             // only here, and `self` is going away, so it is never used again.
             unsafe { result::event_destroy(self.event) }
@@ -346,7 +360,7 @@ impl Backend for Cuda {
 
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         let context = self.device("mem_info", device)?;
-        context.bind()?;
+        let _bound = context.bind()?;
         let (free, total) = result::mem_get_info()?;
         Ok(MemInfo { free, total })
     }
@@ -360,7 +374,7 @@ impl Backend for Cuda {
                 format!("alignment {alignment:#x} is not a power of two"),
             ));
         }
-        first.bind()?;
+        let _bound = first.bind()?;
         let base = result::mem_address_reserve(size, alignment.max(first.granularity()))?;
         self.tables().reservations.insert(base, size);
         Ok(DevicePtr(base))
@@ -381,7 +395,7 @@ impl Backend for Cuda {
                 format!("the reservation at {base} still has mappings"),
             ));
         }
-        self.first().bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables hold exactly this reservation, made by
         // `reserve`, with nothing mapped in it; the lock keeps it so until
         // it is removed below.
@@ -393,7 +407,7 @@ impl Backend for Cuda {
     fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
         let context = self.device("create_chunk", device)?;
         check_size("create_chunk", context.granularity(), size)?;
-        context.bind()?;
+        let _bound = context.bind()?;
         let handle = result::mem_create(context.ordinal(), size)?;
         self.tables()
             .chunks
@@ -409,7 +423,7 @@ impl Backend for Cuda {
                 format!("{chunk:?} is not a live chunk"),
             ));
         };
-        self.device("release_chunk", entry.device)?.bind()?;
+        let _bound = self.device("release_chunk", entry.device)?.bind()?;
         // SAFETY: the tables hold the handle, so `create_chunk` made it and
         // it is not released yet; it is removed below under the same lock,
         // so it is released once and never used again.
@@ -442,7 +456,7 @@ impl Backend for Cuda {
                 format!("{size} bytes at {va} overlap an existing mapping"),
             ));
         }
-        context.bind()?;
+        let _bound = context.bind()?;
         // SAFETY: the tables say the handle is live and the range lies in
         // one of vmm's reservations with nothing mapped; the lock keeps all
         // of that true until the mapping is recorded below.
@@ -460,7 +474,7 @@ impl Backend for Cuda {
                 format!("{size} bytes at {va} are not a run of whole mappings"),
             ));
         }
-        self.first().bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables say the range is exactly whole mappings made by
         // `map`; the caller guarantees (trait contract) that no queued work
         // still touches it.
@@ -506,7 +520,7 @@ impl Backend for Cuda {
         if desc.is_empty() {
             return Ok(());
         }
-        self.first().bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables say the range is whole mappings made by `map`,
         // and the lock keeps them mapped during the call; taking access away
         // from queued work is the caller's to avoid (trait contract), and
@@ -516,23 +530,43 @@ impl Backend for Cuda {
 
     fn create_stream(&self, device: DeviceId) -> Result<CudaStream> {
         let context = self.device("create_stream", device)?;
-        context.bind()?;
+        let _bound = context.bind()?;
         let stream = result::stream_create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING)?;
         Ok(CudaStream {
             stream,
             context: Arc::clone(context),
+            owned: true,
+        })
+    }
+
+    unsafe fn borrow_stream(&self, device: DeviceId, handle: usize) -> Result<CudaStream> {
+        let context = self.device("borrow_stream", device)?;
+        if handle == STREAM_PER_THREAD {
+            return Err(Error::rejected(
+                "borrow_stream",
+                ErrorKind::InvalidArgument,
+                "the per-thread default stream names another stream on each thread; \
+                 pass a stream of its own",
+            ));
+        }
+        // The two names of the legacy default stream are one stream.
+        let handle = if handle == STREAM_LEGACY { 0 } else { handle };
+        Ok(CudaStream {
+            stream: handle as sys::CUstream,
+            context: Arc::clone(context),
+            owned: false,
         })
     }
 
     fn synchronize_stream(&self, stream: &CudaStream) -> Result<()> {
-        stream.context.bind()?;
+        let _bound = stream.context.bind()?;
         // SAFETY: a `CudaStream` holds a live stream until it is dropped.
         unsafe { result::stream_synchronize(stream.stream) }
     }
 
     fn create_event(&self, device: DeviceId) -> Result<CudaEvent> {
         let context = self.device("create_event", device)?;
-        context.bind()?;
+        let _bound = context.bind()?;
         let event = result::event_create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
         Ok(CudaEvent {
             event,
@@ -541,26 +575,26 @@ impl Backend for Cuda {
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {
-        stream.context.bind()?;
+        let _bound = stream.context.bind()?;
         // SAFETY: both hold live handles until they are dropped. An event
         // and stream of different devices is an error from the driver.
         unsafe { result::event_record(event.event, stream.stream) }
     }
 
     fn query_event(&self, event: &CudaEvent) -> Result<EventStatus> {
-        event.context.bind()?;
+        let _bound = event.context.bind()?;
         // SAFETY: a `CudaEvent` holds a live event until it is dropped.
         unsafe { result::event_query(event.event) }
     }
 
     fn synchronize_event(&self, event: &CudaEvent) -> Result<()> {
-        event.context.bind()?;
+        let _bound = event.context.bind()?;
         // SAFETY: a `CudaEvent` holds a live event until it is dropped.
         unsafe { result::event_synchronize(event.event) }
     }
 
     fn stream_wait_event(&self, stream: &CudaStream, event: &CudaEvent) -> Result<()> {
-        stream.context.bind()?;
+        let _bound = stream.context.bind()?;
         // SAFETY: both hold live handles until they are dropped; waiting on
         // an event of another device is allowed.
         unsafe { result::stream_wait_event(stream.stream, event.event) }
@@ -583,7 +617,7 @@ impl Backend for Cuda {
             .checked_mul(4)
             .ok_or_else(|| Error::invalid("fill_u32", "count overflows"))?;
         let _mapped = self.mapped("fill_u32", dst, len.max(1))?;
-        stream.context.bind()?;
+        let _bound = stream.context.bind()?;
         // SAFETY: the stream is live until dropped; the range lies in vmm's
         // mappings, held so while the work is queued, and the caller
         // guarantees (trait contract) that it is not unmapped before the
@@ -592,9 +626,9 @@ impl Backend for Cuda {
     }
 
     fn copy_to_host(&self, stream: &CudaStream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let _bound = stream.context.bind()?;
         {
             let _mapped = self.mapped("copy_to_host", src, dst.len().max(1))?;
-            stream.context.bind()?;
             if !dst.is_empty() {
                 // SAFETY: the stream is live until dropped; the source lies
                 // in vmm's mappings, held so while the copy is queued and
@@ -611,7 +645,7 @@ impl Backend for Cuda {
 
     fn delay(&self, stream: &CudaStream, duration: Duration) -> Result<()> {
         let function = stream.context.delay_function()?;
-        stream.context.bind()?;
+        let _bound = stream.context.bind()?;
         let mut ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
         let mut params = [ptr::from_mut(&mut ns).cast::<c_void>()];
         // SAFETY: `function` is vmm_delay, loaded in the stream's own context

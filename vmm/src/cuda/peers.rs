@@ -19,8 +19,8 @@
 //! which then leaks the same way.
 //!
 //! The hot paths (`alloc`, `free`) take no lock and look nothing up: a
-//! comparison or two, binding the device's context when vmm has not already
-//! bound it on this thread (see [the module](super)), and the driver call.
+//! comparison or two, a check of the thread's current context (bound, and
+//! put back after, only when it is another), and the driver call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -136,7 +136,7 @@ impl CudaAsyncPool {
     /// (release threshold `u64::MAX`), with its high-water marks reset.
     pub fn new(cuda: &Arc<Cuda>, device: DeviceId) -> Result<Self> {
         let context = Arc::clone(cuda.device("CudaAsyncPool::new", device)?);
-        context.bind()?;
+        let _bound = context.bind()?;
         let pool = result::device_get_default_mem_pool(context.device())?;
         // From here on, an early return drops `this`, which puts the release
         // threshold back.
@@ -173,7 +173,7 @@ impl CudaAsyncPool {
                 ),
             ));
         }
-        context.bind()?;
+        let _bound = context.bind()?;
         // SAFETY: a `CudaStream` holds a live stream until it is dropped.
         let ptr = unsafe { result::mem_alloc_async(size, stream.raw()) }?;
         Ok(PeerAllocation {
@@ -198,7 +198,7 @@ impl CudaAsyncPool {
         if a.owner != self.id {
             return Err(not_ours("CudaAsyncPool::free", &a));
         }
-        stream.context().bind()?;
+        let _bound = stream.context().bind()?;
         // SAFETY: the stream is live until dropped. `a` came from `alloc` of
         // this pool (only `alloc` makes one with this id, and ids are never
         // reused), which used `cuMemAllocAsync`; it is consumed here and is
@@ -245,7 +245,7 @@ impl CudaAsyncPool {
     /// or frees still queued on a stream, stays: synchronise first for a
     /// full trim.
     pub fn trim_to(&self, keep: usize) -> Result<()> {
-        self.context.bind()?;
+        let _bound = self.context.bind()?;
         // SAFETY: `pool` is the device's default pool, from
         // `cuDeviceGetDefaultMemPool`.
         unsafe { result::mem_pool_trim_to(self.pool, keep) }
@@ -253,7 +253,7 @@ impl CudaAsyncPool {
 
     /// Reads a `cuuint64_t` attribute of the pool.
     fn get(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
-        self.context.bind()?;
+        let _bound = self.context.bind()?;
         // SAFETY: `pool` is the device's default pool, from
         // `cuDeviceGetDefaultMemPool`; every caller passes an attribute
         // whose value is a cuuint64_t.
@@ -262,7 +262,7 @@ impl CudaAsyncPool {
 
     /// Sets a `cuuint64_t` attribute of the pool.
     fn set(&self, attr: sys::CUmemPool_attribute, value: u64) -> Result<()> {
-        self.context.bind()?;
+        let _bound = self.context.bind()?;
         // SAFETY: `pool` is the device's default pool, from
         // `cuDeviceGetDefaultMemPool`; every caller passes an attribute
         // whose value is a cuuint64_t.
@@ -317,7 +317,7 @@ impl CudaMalloc {
     /// `size` bytes of device memory (`cuMemAlloc_v2`).
     pub fn alloc(&self, size: usize) -> Result<PeerAllocation> {
         check_size("CudaMalloc::alloc", size)?;
-        self.context.bind()?;
+        let _bound = self.context.bind()?;
         let ptr = result::mem_alloc(size)?;
         Ok(PeerAllocation {
             ptr: DevicePtr(ptr),
@@ -338,7 +338,7 @@ impl CudaMalloc {
         if a.owner != self.id {
             return Err(not_ours("CudaMalloc::free", &a));
         }
-        self.context.bind()?;
+        let _bound = self.context.bind()?;
         // SAFETY: `a` came from `alloc` of this allocator (only `alloc` makes
         // one with this id, and ids are never reused), which used
         // `cuMemAlloc_v2`; it is consumed here and is neither `Clone` nor

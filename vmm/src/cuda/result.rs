@@ -172,6 +172,15 @@ pub(crate) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
 }
 
+/// `cuCtxGetCurrent`: the context bound to the calling thread (null for
+/// none).
+pub(crate) fn ctx_get_current() -> Result<sys::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid place for the driver to write the handle.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+    Ok(ctx)
+}
+
 /// `cuCtxSynchronize`: waits for all work in the current context.
 pub(crate) fn ctx_synchronize() -> Result<()> {
     // SAFETY: cuCtxSynchronize takes no arguments; without a current context

@@ -521,6 +521,11 @@ impl Backend for Host {
         HostStream::spawn(device, Arc::clone(&self.memory))
     }
 
+    unsafe fn borrow_stream(&self, device: DeviceId, _handle: usize) -> Result<HostStream> {
+        self.check_device("borrow_stream", device)?;
+        HostStream::spawn(device, Arc::clone(&self.memory))
+    }
+
     fn synchronize_stream(&self, stream: &HostStream) -> Result<()> {
         stream.synchronize()
     }
