@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 bundle=gpu-bundle
 rm -rf "$bundle"
-mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/bin" "$bundle/traces"
+mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/bin" "$bundle/traces" "$bundle/torch"
 
 # Test binaries, with the GPU cases switched on.
 cargo test --workspace --release --features gpu-tests --no-run --message-format=json 2>/dev/null |
@@ -39,6 +39,10 @@ for src in src/bin/*.rs; do
     name=$(basename "$src" .rs)
     cp "target/release/$name" "$bundle/bin/$name"
 done
+
+# The C library and the PyTorch scripts, for the torch job.
+cargo build --release -p vmpool-c
+cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py "$bundle/torch/"
 
 # The shared traces, for the replay job.
 cp ../shared/traces/*.trace.gz "$bundle/traces/"

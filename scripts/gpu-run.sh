@@ -3,8 +3,11 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak]
-#   (default: all but soak; soak runs SOAK_SECONDS, default 300)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch]
+#   (default: all but soak and torch; soak runs SOAK_SECONDS, default 300)
+#
+# torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
+# --allocators vmpool" for a quick check); its JSON goes to $OUT.
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
@@ -66,6 +69,10 @@ for job in $jobs; do
         ;;
     soak)
         run "soak" "$here/bin/vmpool-soak" --backend cuda --threads 8 --seconds "${SOAK_SECONDS:-300}"
+        ;;
+    torch)
+        # shellcheck disable=SC2086 # TORCH_ARGS is a list of arguments
+        run "pytorch compare" python3 "$here/torch/pytorch_compare.py" ${TORCH_ARGS:-} --json "$outdir/pytorch_compare.json"
         ;;
     replay)
         for trace in "$here"/traces/*; do

@@ -1,0 +1,87 @@
+/* vmpool's C interface: libvmpool_c.so (cargo build --release -p vmpool-c).
+ *
+ * A stream-ordered, defragmenting allocator, one pool per device, made on
+ * first use. The two allocation functions have the signatures PyTorch's
+ * CUDAPluggableAllocator expects. Settings come from the environment, read
+ * once, at the first call:
+ *
+ *   VMPOOL_RELEASE_THRESHOLD  bytes a pool keeps across vmpool_synchronize
+ *                             (default max: keep everything, as PyTorch's
+ *                             caching allocator does); 512MiB, 2G, ... or max
+ *   VMPOOL_CHUNK_SIZE         largest growth chunk (default 32MiB)
+ *   VMPOOL_LOG                log filter, e.g. info or vmpool=debug
+ *                             (default warn; errors are always logged)
+ *   VMPOOL_RECORD             path prefix: each pool writes its trace there
+ *   VMPOOL_BACKEND            cuda (default) or host (tests without a GPU)
+ *
+ * A bad setting stops the library from starting: every allocation then
+ * returns NULL, and the reason is logged.
+ *
+ * Streams: `stream` is a CUstream / cudaStream_t of the device's primary
+ * context (the runtime API's contexts), or 0 for the legacy default stream.
+ * It must stay alive while allocations freed on it may be pending (until
+ * vmpool_synchronize, or forever for streams that are never destroyed,
+ * such as PyTorch's). The per-thread default stream is refused.
+ */
+#ifndef VMPOOL_H
+#define VMPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* `size` bytes on `device`, usable in stream order on `stream`. NULL for
+ * size 0, and on failure (out of memory, bad arguments: logged). */
+void *vmpool_alloc(ssize_t size, int device, void *stream);
+
+/* Frees `ptr` in stream order on `stream`: the memory is reused once the
+ * work queued on `stream` so far has run. `size` is checked against the
+ * allocation when not negative. NULL is ignored. A pointer vmpool did not
+ * hand out (never, or not any more: a double free, an interior pointer, a
+ * pointer of another device) changes nothing, is logged, and is counted in
+ * vmpool_stats_t.refused_frees. */
+void vmpool_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* Waits for every stream vmpool has seen on `device`; then their frees are
+ * reusable on every stream, and the pool keeps at most its release
+ * threshold. 0 on success, -1 on failure (logged). */
+int vmpool_synchronize(int device);
+
+/* Releases unused physical memory of the device's pool down to `keep`
+ * bytes. Frees still pending on a stream count as used until
+ * vmpool_synchronize. 0 on success, -1 on failure. */
+int vmpool_trim(int device, uint64_t keep);
+
+/* Sets the high-water marks to the current values. 0 / -1. */
+int vmpool_reset_peaks(int device);
+
+typedef struct {
+    uint64_t valid; /* 0: the call failed (logged) */
+    uint64_t reserved_bytes, reserved_high; /* physical memory held, most held */
+    uint64_t used_bytes, used_high;         /* live allocations, most live */
+    uint64_t allocations, frees, grows;
+    uint64_t remaps, bytes_remapped; /* chunks moved instead of created */
+    uint64_t chunks_created, chunks_released;
+    uint64_t largest_free_range;
+    uint64_t pending_bytes; /* freed in stream order, not yet free for all */
+    uint64_t refused_frees;
+} vmpool_stats_t;
+
+/* The device's figures; all 0 (with valid = 1) before its first allocation. */
+vmpool_stats_t vmpool_stats(int device);
+
+/* Writes the pool's address-space map to stderr. 0 / -1. */
+int vmpool_print_snapshot(int device);
+
+/* "cuda", "host", or "none" when the library could not start. */
+const char *vmpool_backend(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VMPOOL_H */

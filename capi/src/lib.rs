@@ -1,0 +1,273 @@
+//! vmpool's C interface (`include/vmpool.h`), built as `libvmpool_c.so`.
+//!
+//! Its first user is PyTorch: `torch.cuda.memory.CUDAPluggableAllocator`
+//! loads the library and calls [`vmpool_alloc`] and [`vmpool_free`] for
+//! every tensor (`scripts/vmpool_torch.py` does the set-up). Each device
+//! gets one stream-ordered vmpool pool on first use; the caller's streams
+//! become vmpool streams; configuration comes from the environment
+//! ([`shim::Config`], README.md's "PyTorch" section).
+//!
+//! A C caller can only get NULL or -1 back, so every failure is logged
+//! (through `tracing`, to stderr, filtered by `VMPOOL_LOG`, default `warn`)
+//! with its reason. A free of a pointer vmpool does not own changes nothing
+//! and is reported; nothing a caller passes is dereferenced. Panics are
+//! caught at this boundary.
+//!
+//! This file is the only place outside `vmm` with `unsafe` code: the
+//! exported symbols, and wrapping the caller's stream handles
+//! (`Backend::borrow_stream`). Everything else is in the safe [`shim`].
+
+pub mod shim;
+
+use std::ffi::{c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use vmpool::vmm::cuda::Cuda;
+use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::Backend;
+
+use self::shim::{BackendChoice, CallError, Config, Figures, Shim};
+
+/// The library's one state, made by the first call.
+enum Global {
+    Cuda(Shim<Cuda>),
+    Host(Shim<Host>),
+}
+
+/// Runs `$body` with `$shim` bound to the global shim of whichever backend.
+macro_rules! with_shim {
+    ($global:expr, $shim:ident => $body:expr) => {
+        match $global {
+            Global::Cuda($shim) => $body,
+            Global::Host($shim) => $body,
+        }
+    };
+}
+
+static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("VMPOOL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // The host program may have a subscriber already; then it is used.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Wraps the caller's stream handle.
+fn borrow<B: Backend>(
+    backend: &B,
+    device: vmpool::vmm::DeviceId,
+    handle: usize,
+) -> vmpool::vmm::Result<B::Stream> {
+    // SAFETY: the handle is the caller's stream of `device` (vmpool.h
+    // states the contract: a stream of the device's primary context, alive
+    // while vmpool may order work on it, as PyTorch's streams are); vmm
+    // refuses the per-thread default stream.
+    unsafe { backend.borrow_stream(device, handle) }
+}
+
+fn open() -> Result<Global, String> {
+    let config = Config::from_env().map_err(|e| e.to_string())?;
+    let global = match config.backend {
+        BackendChoice::Cuda => {
+            let cuda = Cuda::new().map_err(|e| e.to_string())?;
+            Global::Cuda(Shim::new(cuda, config, borrow::<Cuda>).map_err(|e| e.to_string())?)
+        }
+        BackendChoice::Host => {
+            let host = Host::new(HostConfig {
+                devices: config.host_devices,
+                memory_per_device: usize::try_from(config.host_memory)
+                    .map_err(|e| e.to_string())?,
+                ..HostConfig::default()
+            })
+            .map_err(|e| e.to_string())?;
+            Global::Host(Shim::new(host, config, borrow::<Host>).map_err(|e| e.to_string())?)
+        }
+    };
+    Ok(global)
+}
+
+/// The global state, opened on first use; `None` (logged once) when it
+/// could not be opened.
+fn global() -> Option<&'static Global> {
+    GLOBAL
+        .get_or_init(|| {
+            init_logging();
+            let opened = open();
+            match &opened {
+                Ok(g) => {
+                    let config = with_shim!(g, s => s.config().clone());
+                    tracing::info!(?config, "vmpool: ready");
+                }
+                Err(err) => tracing::error!("vmpool: cannot start: {err}"),
+            }
+            opened
+        })
+        .as_ref()
+        .ok()
+}
+
+/// Runs `f` on the global state, logging its error or panic under `call`;
+/// `failed` when it has none.
+fn call<T>(call: &str, failed: T, f: impl FnOnce(&Global) -> Result<T, CallError>) -> T {
+    let Some(global) = global() else {
+        return failed;
+    };
+    match catch_unwind(AssertUnwindSafe(|| f(global))) {
+        Ok(Ok(value)) => value,
+        Ok(Err(err)) => {
+            tracing::error!("vmpool: {call}: {err}");
+            failed
+        }
+        Err(_) => {
+            tracing::error!("vmpool: {call}: panicked (a bug in vmpool; please report it)");
+            failed
+        }
+    }
+}
+
+/// Allocates `size` bytes on `device` for use in stream order on `stream`
+/// (PyTorch's `alloc_fn`). NULL for zero bytes, and on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    call(
+        "alloc",
+        0,
+        |g| with_shim!(g, s => s.alloc(size as i64, i64::from(device), stream as usize)),
+    ) as *mut c_void
+}
+
+/// Frees `ptr` in stream order on `stream` (PyTorch's `free_fn`). NULL is
+/// ignored; a pointer vmpool did not hand out is refused and logged.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+    call(
+        "free",
+        (),
+        |g| with_shim!(g, s => s.free(ptr as u64, size as i64, i64::from(device), stream as usize)),
+    )
+}
+
+/// Waits for every stream vmpool has seen on `device`, makes their frees
+/// reusable everywhere, and trims the pool to its release threshold.
+/// 0 on success, -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_synchronize(device: c_int) -> c_int {
+    call(
+        "synchronize",
+        -1,
+        |g| with_shim!(g, s => s.synchronize(i64::from(device)).map(|()| 0)),
+    )
+}
+
+/// Releases unused physical memory of `device`'s pool down to `keep`
+/// bytes (frees still pending on a stream count as used until
+/// [`vmpool_synchronize`]). 0 on success, -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
+    call(
+        "trim",
+        -1,
+        |g| with_shim!(g, s => s.trim(i64::from(device), keep).map(|()| 0)),
+    )
+}
+
+/// Resets the reserved and used high-water marks to their current values.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_reset_peaks(device: c_int) -> c_int {
+    call(
+        "reset_peaks",
+        -1,
+        |g| with_shim!(g, s => s.reset_peaks(i64::from(device)).map(|()| 0)),
+    )
+}
+
+/// A device's figures (`vmpool_stats_t` in vmpool.h). `valid` is 0 when the
+/// call failed (logged).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmpoolStats {
+    pub valid: u64,
+    /// Physical bytes held, and the most held.
+    pub reserved_bytes: u64,
+    pub reserved_high: u64,
+    /// Bytes of live allocations (as the pool rounds them), and the most.
+    pub used_bytes: u64,
+    pub used_high: u64,
+    pub allocations: u64,
+    pub frees: u64,
+    pub grows: u64,
+    pub remaps: u64,
+    pub bytes_remapped: u64,
+    pub chunks_created: u64,
+    pub chunks_released: u64,
+    pub largest_free_range: u64,
+    /// Freed in stream order, not yet known to be free for every stream.
+    pub pending_bytes: u64,
+    /// Frees refused: pointers vmpool did not hand out, or not any more.
+    pub refused_frees: u64,
+}
+
+impl From<Figures> for VmpoolStats {
+    fn from(f: Figures) -> Self {
+        let s = f.stats;
+        Self {
+            valid: 1,
+            reserved_bytes: s.reserved_bytes,
+            reserved_high: f.reserved_high,
+            used_bytes: s.used_bytes,
+            used_high: f.used_high,
+            allocations: s.allocations,
+            frees: s.frees,
+            grows: s.grows,
+            remaps: s.remaps,
+            bytes_remapped: s.bytes_remapped,
+            chunks_created: s.chunks_created,
+            chunks_released: s.chunks_released,
+            largest_free_range: s.largest_free_range,
+            pending_bytes: s.pending_bytes,
+            refused_frees: f.refused_frees,
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_stats(device: c_int) -> VmpoolStats {
+    call(
+        "stats",
+        VmpoolStats::default(),
+        |g| with_shim!(g, s => s.figures(i64::from(device)).map(VmpoolStats::from)),
+    )
+}
+
+/// Writes the pool's address-space dump to stderr. 0 on success (also
+/// when the device has no pool yet), -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_print_snapshot(device: c_int) -> c_int {
+    call("print_snapshot", -1, |g| {
+        with_shim!(g, s => s.snapshot(i64::from(device))).map(|dump| {
+            eprintln!(
+                "{}",
+                dump.as_deref()
+                    .unwrap_or("vmpool: no pool on this device yet")
+            );
+            0
+        })
+    })
+}
+
+/// The backend in use, so a user sees what was measured: "cuda", "host",
+/// or "none" when the library could not start (the reason is logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_backend() -> *const std::ffi::c_char {
+    let name: &'static std::ffi::CStr = match global() {
+        Some(Global::Cuda(_)) => c"cuda",
+        Some(Global::Host(_)) => c"host",
+        None => c"none",
+    };
+    name.as_ptr()
+}

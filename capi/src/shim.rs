@@ -1,0 +1,442 @@
+//! What the C functions do, in safe Rust: per device, a pool created on
+//! first use, the caller's streams as vmpool streams, and a table of the
+//! pointers handed out, so that a free names its allocation by pointer and
+//! a pointer vmpool never gave out is refused, not trusted.
+//!
+//! ```text
+//!   vmpool_alloc(size, device, stream)
+//!     stream handle ──► Stream (borrowed from the caller, adopted once)
+//!     pool of device ─► allocate_async ──► live[ptr] = Allocation
+//!   vmpool_free(ptr, size, device, stream)
+//!     live.remove(ptr) ──► free_async on the stream; not there: refused
+//! ```
+#![deny(unsafe_code)]
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+
+use rustc_hash::FxHashMap;
+use vmpool::vmm::{Backend, DeviceId};
+use vmpool::{Allocation, Context, Pool, PoolAttribute, PoolProps, PoolStats, Stream};
+
+/// Bytes the environment asked for: a number with an optional binary
+/// suffix (`K`, `M`, `G`, `T`, with or without `iB`), or `max`.
+fn parse_bytes(name: &str, value: &str) -> Result<u64, ConfigError> {
+    let bad = || ConfigError::Bytes {
+        name: name.to_owned(),
+        value: value.to_owned(),
+    };
+    let v = value.trim();
+    if v.eq_ignore_ascii_case("max") {
+        return Ok(u64::MAX);
+    }
+    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    let (number, suffix) = v.split_at(digits);
+    let number = u64::from_str(number).map_err(|_| bad())?;
+    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KIB" => 10,
+        "M" | "MIB" => 20,
+        "G" | "GIB" => 30,
+        "T" | "TIB" => 40,
+        _ => return Err(bad()),
+    };
+    number.checked_mul(1 << shift).ok_or_else(bad)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name}={value:?}: expected bytes, such as 1073741824, 512MiB, 2G or max")]
+    Bytes { name: String, value: String },
+    #[error("{name}={value:?}: expected {expected}")]
+    Other {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+}
+
+/// Which driver layer the library runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Cuda,
+    /// The host backend, for tests without a GPU; stream handles are then
+    /// opaque keys.
+    Host,
+}
+
+/// The library's settings, from the environment (README.md, "PyTorch").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// `VMPOOL_BACKEND`: `cuda` (default) or `host`.
+    pub backend: BackendChoice,
+    /// `VMPOOL_RELEASE_THRESHOLD`: bytes each pool keeps across
+    /// `vmpool_synchronize`; default `max` (keep everything, as PyTorch's
+    /// own allocator does).
+    pub release_threshold: u64,
+    /// `VMPOOL_CHUNK_SIZE`: the largest growth chunk; default the pool's.
+    pub chunk_size: Option<u64>,
+    /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
+    /// backend's devices; default 1 of 4 GiB.
+    pub host_devices: u32,
+    pub host_memory: u64,
+}
+
+impl Config {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// The settings from `lookup(name)`, for tests without touching the
+    /// process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let bytes =
+            |name: &str, default: u64| lookup(name).map_or(Ok(default), |v| parse_bytes(name, &v));
+        let backend = match lookup("VMPOOL_BACKEND").as_deref() {
+            None | Some("cuda") => BackendChoice::Cuda,
+            Some("host") => BackendChoice::Host,
+            Some(other) => {
+                return Err(ConfigError::Other {
+                    name: "VMPOOL_BACKEND",
+                    value: other.to_owned(),
+                    expected: "cuda or host",
+                })
+            }
+        };
+        let host_devices = match lookup("VMPOOL_HOST_DEVICES") {
+            None => 1,
+            Some(v) => match v.trim().parse::<u32>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    return Err(ConfigError::Other {
+                        name: "VMPOOL_HOST_DEVICES",
+                        value: v,
+                        expected: "a number of devices, at least 1",
+                    })
+                }
+            },
+        };
+        let chunk_size = match lookup("VMPOOL_CHUNK_SIZE") {
+            None => None,
+            Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
+        };
+        Ok(Self {
+            backend,
+            release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
+            chunk_size,
+            host_devices,
+            host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
+        })
+    }
+}
+
+/// Why a call did nothing. Logged by the C layer, which can only return
+/// NULL or -1.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("device {0} does not exist")]
+    NoDevice(i64),
+    #[error("invalid size {0}")]
+    Size(i64),
+    #[error("free of {ptr:#x} on device {device}: {why}")]
+    NotOurs { ptr: u64, device: u32, why: String },
+    #[error(transparent)]
+    Vmpool(#[from] vmpool::Error),
+}
+
+/// How the C layer turns a caller's stream handle into a backend stream:
+/// the one `unsafe` step, which it keeps to itself.
+pub type Borrow<B> = fn(&B, DeviceId, usize) -> vmpool::vmm::Result<<B as Backend>::Stream>;
+
+struct Device<B: Backend> {
+    id: DeviceId,
+    pool: OnceLock<Pool<B>>,
+    /// Serialises the pool's creation, which can fail and is retried.
+    creating: Mutex<()>,
+    /// The caller's streams by handle.
+    streams: RwLock<FxHashMap<usize, Stream<B>>>,
+    /// What vmpool handed out and the caller has not freed, by pointer.
+    live: Mutex<FxHashMap<u64, Allocation>>,
+    /// Frees refused: pointers vmpool did not hand out (or not any more).
+    refused_frees: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub struct Shim<B: Backend> {
+    context: Context<B>,
+    config: Config,
+    borrow: Borrow<B>,
+    devices: Vec<Device<B>>,
+}
+
+/// A pool's figures as the C interface reports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Figures {
+    pub reserved_high: u64,
+    pub used_high: u64,
+    pub stats: PoolStats,
+    pub refused_frees: u64,
+}
+
+impl<B: Backend> Shim<B> {
+    pub fn new(backend: Arc<B>, config: Config, borrow: Borrow<B>) -> vmpool::Result<Self> {
+        let context = Context::new(backend)?;
+        let count = context.backend().device_count()?;
+        let devices = (0..count)
+            .map(|d| Device {
+                id: DeviceId(d),
+                pool: OnceLock::new(),
+                creating: Mutex::new(()),
+                streams: RwLock::default(),
+                live: Mutex::default(),
+                refused_frees: AtomicU64::new(0),
+            })
+            .collect();
+        Ok(Self {
+            context,
+            config,
+            borrow,
+            devices,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn device(&self, device: i64) -> Result<&Device<B>, CallError> {
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or(CallError::NoDevice(device))
+    }
+
+    /// The device's pool, made (and made current) on first use.
+    fn pool<'d>(&self, device: &'d Device<B>) -> vmpool::Result<&'d Pool<B>> {
+        if let Some(pool) = device.pool.get() {
+            return Ok(pool);
+        }
+        let _creating = lock(&device.creating);
+        if let Some(pool) = device.pool.get() {
+            return Ok(pool);
+        }
+        let props = PoolProps {
+            chunk_size: self.config.chunk_size,
+            ..PoolProps::new(device.id)
+        };
+        let pool = self.context.create_pool(&props)?;
+        pool.set_attribute(
+            PoolAttribute::ReleaseThreshold,
+            self.config.release_threshold,
+        )?;
+        self.context.set_current_pool(&pool)?;
+        tracing::info!(
+            device = device.id.0,
+            ?props,
+            release_threshold = self.config.release_threshold,
+            "vmpool: pool created"
+        );
+        Ok(device.pool.get_or_init(|| pool))
+    }
+
+    /// The vmpool stream for the caller's `handle`, adopted on first use.
+    fn stream(&self, device: &Device<B>, handle: usize) -> vmpool::Result<Stream<B>> {
+        if let Some(s) = device
+            .streams
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&handle)
+        {
+            return Ok(s.clone());
+        }
+        let mut streams = device
+            .streams
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = streams.get(&handle) {
+            return Ok(s.clone());
+        }
+        let raw = (self.borrow)(self.context.backend(), device.id, handle)?;
+        let stream = self.context.adopt_stream(raw, device.id)?;
+        streams.insert(handle, stream.clone());
+        Ok(stream)
+    }
+
+    /// `size` bytes on `device` in stream order on `stream`; `Ok(0)` for
+    /// zero bytes, as `cudaMallocAsync` gives NULL.
+    pub fn alloc(&self, size: i64, device: i64, stream: usize) -> Result<u64, CallError> {
+        let dev = self.device(device)?;
+        let size = u64::try_from(size).map_err(|_| CallError::Size(size))?;
+        if size == 0 {
+            return Ok(0);
+        }
+        let pool = self.pool(dev)?;
+        let stream = self.stream(dev, stream)?;
+        let allocation = pool.allocate_async(size, &stream)?;
+        let ptr = allocation.ptr().0;
+        lock(&dev.live).insert(ptr, allocation);
+        Ok(ptr)
+    }
+
+    /// Frees what `alloc` returned, in stream order on `stream`. A pointer
+    /// vmpool did not hand out, or handed out and saw freed, changes nothing
+    /// and is an error.
+    pub fn free(&self, ptr: u64, size: i64, device: i64, stream: usize) -> Result<(), CallError> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let dev = self.device(device)?;
+        let Some(allocation) = lock(&dev.live).remove(&ptr) else {
+            dev.refused_frees.fetch_add(1, Ordering::Relaxed);
+            return Err(CallError::NotOurs {
+                ptr,
+                device: dev.id.0,
+                why: self.why_not_ours(ptr, dev),
+            });
+        };
+        if size >= 0 && size as u64 != allocation.size() {
+            tracing::warn!(
+                ptr = format_args!("{ptr:#x}"),
+                given = size,
+                allocated = allocation.size(),
+                "vmpool: free names another size than was allocated; freeing the allocation"
+            );
+        }
+        let pool = self.pool(dev)?;
+        let stream = match self.stream(dev, stream) {
+            Ok(stream) => stream,
+            Err(err) => {
+                // Nothing changed: the allocation stays live.
+                lock(&dev.live).insert(ptr, allocation);
+                return Err(err.into());
+            }
+        };
+        Ok(pool.free_async(allocation, &stream)?)
+    }
+
+    /// Why `ptr` is not a live allocation of `dev`, as precisely as the
+    /// tables tell (the cold path of a refused free).
+    fn why_not_ours(&self, ptr: u64, dev: &Device<B>) -> String {
+        let inside = |live: &FxHashMap<u64, Allocation>| {
+            live.values()
+                .find(|a| a.ptr().0 < ptr && ptr < a.ptr().0 + a.size())
+                .map(|a| (a.ptr().0, a.size()))
+        };
+        if let Some((base, size)) = inside(&lock(&dev.live)) {
+            return format!(
+                "it points inside the allocation at {base:#x} ({size} bytes); free that pointer"
+            );
+        }
+        for other in self.devices.iter().filter(|d| d.id != dev.id) {
+            if lock(&other.live).contains_key(&ptr) {
+                return format!("it was allocated on device {}", other.id.0);
+            }
+        }
+        "vmpool did not allocate it, or it was freed already".to_owned()
+    }
+
+    /// Waits for every stream vmpool has seen on `device`; then their
+    /// frees are free for every stream, and the pool keeps at most its
+    /// release threshold.
+    pub fn synchronize(&self, device: i64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        Ok(self.context.synchronize_device(dev.id)?)
+    }
+
+    /// Releases unused memory of `device`'s pool down to `keep` bytes.
+    pub fn trim(&self, device: i64, keep: u64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        match dev.pool.get() {
+            Some(pool) => Ok(pool.trim_to(keep)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Resets the high-water marks to the current figures.
+    pub fn reset_peaks(&self, device: i64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        if let Some(pool) = dev.pool.get() {
+            pool.set_attribute(PoolAttribute::ReservedMemHigh, 0)?;
+            pool.set_attribute(PoolAttribute::UsedMemHigh, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The device's figures; all zero before its first allocation.
+    pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
+        let dev = self.device(device)?;
+        let refused_frees = dev.refused_frees.load(Ordering::Relaxed);
+        Ok(match dev.pool.get() {
+            Some(pool) => Figures {
+                reserved_high: pool.attribute(PoolAttribute::ReservedMemHigh),
+                used_high: pool.attribute(PoolAttribute::UsedMemHigh),
+                stats: pool.stats(),
+                refused_frees,
+            },
+            None => Figures {
+                refused_frees,
+                ..Figures::default()
+            },
+        })
+    }
+
+    /// The pool's address-space dump (`Pool::snapshot`), if it exists.
+    pub fn snapshot(&self, device: i64) -> Result<Option<String>, CallError> {
+        let dev = self.device(device)?;
+        Ok(dev.pool.get().map(|p| p.snapshot().to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_lookup(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn defaults() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.backend, BackendChoice::Cuda);
+        assert_eq!(c.release_threshold, u64::MAX);
+        assert_eq!(c.chunk_size, None);
+    }
+
+    #[test]
+    fn byte_sizes() {
+        for (text, bytes) in [
+            ("0", 0),
+            ("4096", 4096),
+            ("2M", 2 << 20),
+            ("2MiB", 2 << 20),
+            ("1 GiB", 1 << 30),
+            ("3g", 3 << 30),
+            ("max", u64::MAX),
+            ("MAX", u64::MAX),
+        ] {
+            let c = config(&[("VMPOOL_RELEASE_THRESHOLD", text)]).unwrap();
+            assert_eq!(c.release_threshold, bytes, "{text}");
+        }
+        for bad in ["", "-1", "1.5G", "12Q", "99999999999999999999", "20000000T"] {
+            let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
+        }
+    }
+
+    #[test]
+    fn bad_backend_and_devices() {
+        assert!(config(&[("VMPOOL_BACKEND", "gpu")]).is_err());
+        assert!(config(&[("VMPOOL_HOST_DEVICES", "0")]).is_err());
+        let c = config(&[("VMPOOL_BACKEND", "host"), ("VMPOOL_HOST_DEVICES", "2")]).unwrap();
+        assert_eq!((c.backend, c.host_devices), (BackendChoice::Host, 2));
+    }
+}

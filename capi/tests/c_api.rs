@@ -1,0 +1,211 @@
+//! The C functions, called as a C caller would, on the host backend (five
+//! devices, so that tests running at once each watch figures of their own).
+//! The CUDA path of the same functions is exercised on the GPU by
+//! `scripts/pytorch_compare.py` (README.md, "PyTorch").
+
+use std::collections::HashSet;
+use std::ffi::{c_void, CStr};
+use std::sync::Once;
+use std::thread;
+
+use vmpool_c::{
+    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_reset_peaks, vmpool_stats,
+    vmpool_synchronize, vmpool_trim, VmpoolStats,
+};
+
+/// Selects the host backend before the library's first call reads the
+/// environment.
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("VMPOOL_BACKEND", "host");
+        std::env::set_var("VMPOOL_HOST_DEVICES", "5");
+        std::env::set_var("VMPOOL_HOST_MEMORY", "1GiB");
+        std::env::set_var("VMPOOL_RELEASE_THRESHOLD", "0");
+    });
+    let backend = backend_name(vmpool_backend());
+    assert_eq!(backend, "host");
+}
+
+fn backend_name(p: *const std::ffi::c_char) -> String {
+    // The library returns pointers to static C strings; reading one needs
+    // a raw-pointer dereference, which CStr does for us on a 'static.
+    let name: &CStr = [c"cuda", c"host", c"none"]
+        .into_iter()
+        .find(|c| c.as_ptr() == p)
+        .expect("vmpool_backend returns one of its three names");
+    name.to_str().unwrap().to_owned()
+}
+
+/// An opaque stream handle (the host backend keeps one stream per value).
+fn stream(n: usize) -> *mut c_void {
+    n as *mut c_void
+}
+
+fn stats(device: i32) -> VmpoolStats {
+    let s = vmpool_stats(device);
+    assert_eq!(s.valid, 1, "stats of device {device}");
+    s
+}
+
+#[test]
+fn round_trip_and_figures() {
+    setup();
+    let d = 0;
+    let sizes = [1usize, 255, 256, 4097, 1 << 20, 3 << 20, 40 << 20];
+    let ptrs: Vec<*mut c_void> = sizes
+        .iter()
+        .map(|&size| vmpool_alloc(size as isize, d, stream(1)))
+        .collect();
+    for (&p, &size) in ptrs.iter().zip(&sizes) {
+        assert!(!p.is_null(), "{size} bytes");
+        assert_eq!(p as usize % 256, 0, "aligned to 256 bytes");
+    }
+    let s = stats(d);
+    let live: u64 = sizes
+        .iter()
+        .map(|&s| (s as u64).next_multiple_of(256))
+        .sum();
+    assert_eq!(s.used_bytes, live);
+    assert!(s.reserved_bytes >= live);
+    assert_eq!(s.allocations, sizes.len() as u64);
+
+    for (&p, &size) in ptrs.iter().zip(&sizes) {
+        vmpool_free(p, size as isize, d, stream(1));
+    }
+    assert_eq!(stats(d).used_bytes, 0);
+    // Same stream, same size: the memory just freed, without waiting.
+    let again = vmpool_alloc(sizes[5] as isize, d, stream(1));
+    assert_eq!(again, ptrs[5]);
+    vmpool_free(again, sizes[5] as isize, d, stream(1));
+
+    assert_eq!(vmpool_synchronize(d), 0);
+    let s = stats(d);
+    assert_eq!(s.pending_bytes, 0);
+    assert_eq!(s.reserved_bytes, 0, "release threshold 0: all returned");
+    assert!(s.reserved_high >= live && s.used_high == live);
+    assert_eq!(vmpool_reset_peaks(d), 0);
+    let s = stats(d);
+    assert_eq!((s.reserved_high, s.used_high), (0, 0));
+    assert_eq!(s.refused_frees, 0);
+}
+
+#[test]
+fn misuse_is_refused_and_changes_nothing() {
+    setup();
+    let d = 1;
+    let size = 3 << 20;
+    let p = vmpool_alloc(size, d, stream(1));
+    assert!(!p.is_null());
+    let before = stats(d);
+
+    // An interior pointer, a pointer never handed out, the right pointer
+    // on the wrong device, NULL.
+    vmpool_free(p.wrapping_byte_add(4096), size, d, stream(1));
+    vmpool_free(0xdead_0000 as *mut c_void, 64, d, stream(1));
+    vmpool_free(p, size, 4, stream(1));
+    vmpool_free(std::ptr::null_mut(), 0, d, stream(1));
+    let after = stats(d);
+    assert_eq!(after.refused_frees, before.refused_frees + 2);
+    assert_eq!(stats(4).refused_frees, 1);
+    assert_eq!(
+        (after.used_bytes, after.reserved_bytes, after.frees),
+        (before.used_bytes, before.reserved_bytes, before.frees)
+    );
+
+    // The allocation is still live and frees normally, once.
+    vmpool_free(p, size, d, stream(1));
+    assert_eq!(stats(d).used_bytes, 0);
+    vmpool_free(p, size, d, stream(1));
+    assert_eq!(stats(d).refused_frees, before.refused_frees + 3);
+
+    // A size that does not match is logged; the allocation is freed.
+    let q = vmpool_alloc(1000, d, stream(1));
+    vmpool_free(q, 999, d, stream(1));
+    assert_eq!(stats(d).used_bytes, 0);
+}
+
+#[test]
+fn bad_arguments_return_null() {
+    setup();
+    let d = 3;
+    let before = stats(d);
+    assert!(vmpool_alloc(0, d, stream(1)).is_null(), "zero bytes");
+    assert!(vmpool_alloc(-1, d, stream(1)).is_null(), "negative");
+    assert!(vmpool_alloc(isize::MAX, d, stream(1)).is_null(), "absurd");
+    assert!(
+        vmpool_alloc(2 << 30, d, stream(1)).is_null(),
+        "more than the device"
+    );
+    assert!(vmpool_alloc(64, 5, stream(1)).is_null(), "no device 5");
+    assert!(vmpool_alloc(64, -1, stream(1)).is_null(), "no device -1");
+    assert_eq!(vmpool_stats(5).valid, 0);
+    assert_eq!(vmpool_trim(7, 0), -1);
+    assert_eq!(vmpool_synchronize(-3), -1);
+    let after = stats(d);
+    assert_eq!(
+        (after.used_bytes, after.allocations),
+        (before.used_bytes, before.allocations)
+    );
+    // After all that, the device still works.
+    let p = vmpool_alloc(64, d, stream(1));
+    assert!(!p.is_null());
+    vmpool_free(p, 64, d, stream(1));
+    assert_eq!(vmpool_synchronize(d), 0);
+    assert_eq!(vmpool_trim(d, 0), 0);
+    assert_eq!(stats(d).reserved_bytes, 0);
+}
+
+#[test]
+fn threads_each_on_their_stream() {
+    setup();
+    let d = 2;
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            thread::spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..2000usize {
+                    let size = 256 + (i * 7919 + t * 104_729) % (3 << 20);
+                    let p = vmpool_alloc(size as isize, d, stream(100 + t));
+                    assert!(!p.is_null());
+                    held.push((p as usize, size));
+                    if held.len() > 16 {
+                        let (p, size) = held.swap_remove(i % held.len());
+                        vmpool_free(p as *mut c_void, size as isize, d, stream(100 + t));
+                    }
+                }
+                held
+            })
+        })
+        .collect();
+    let held: Vec<(usize, usize)> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    // Every live pointer distinct, and no two live ranges overlap.
+    let mut ranges = held.clone();
+    ranges.sort();
+    assert_eq!(
+        ranges.iter().map(|r| r.0).collect::<HashSet<_>>().len(),
+        ranges.len()
+    );
+    for w in ranges.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "{w:x?} overlap");
+    }
+    let live: u64 = held
+        .iter()
+        .map(|&(_, s)| (s as u64).next_multiple_of(256))
+        .sum();
+    // The pool counts blocks: a reused block may be up to 1/8 larger.
+    let used = stats(d).used_bytes;
+    assert!(live <= used && used <= live + live / 8, "{used} for {live}");
+    for (t, chunk) in held.chunks(17).enumerate() {
+        for &(p, size) in chunk {
+            vmpool_free(p as *mut c_void, size as isize, d, stream(100 + t % 8));
+        }
+    }
+    assert_eq!(vmpool_synchronize(d), 0);
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.pending_bytes, s.reserved_bytes), (0, 0, 0));
+    assert_eq!(s.refused_frees, 0);
+}

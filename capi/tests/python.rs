@@ -1,0 +1,62 @@
+//! `scripts/vmpool_torch.py`'s ctypes layer (the part that needs no
+//! PyTorch) against the library this build made, on the host backend. The
+//! PyTorch part runs on the GPU (`scripts/pytorch_compare.py`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// target/<profile>/libvmpool_c.so, beside this test's `deps` folder.
+fn library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("libvmpool_c.so");
+    assert!(lib.is_file(), "{} was not built", lib.display());
+    lib
+}
+
+const SCRIPT: &str = r#"
+import vmpool_torch as v
+assert v.backend() == "host", v.backend()
+lib = v.library()
+p = lib.vmpool_alloc(3 << 20, 0, None)
+assert p and p % 256 == 0
+s = v.stats(0)
+assert s["used_bytes"] == 3 << 20 and s["reserved_bytes"] >= 3 << 20, s
+lib.vmpool_free(p + 256, 3 << 20, 0, None)   # an interior pointer: refused
+assert v.stats(0)["refused_frees"] == 1
+lib.vmpool_free(p, 3 << 20, 0, None)
+v.empty_cache(0)
+s = v.stats(0)
+assert (s["used_bytes"], s["reserved_bytes"], s["pending_bytes"]) == (0, 0, 0), s
+v.reset_peaks(0)
+assert v.stats(0)["reserved_high"] == 0
+try:
+    v.stats(3)
+    raise AssertionError("device 3 does not exist")
+except RuntimeError:
+    pass
+print("ok")
+"#;
+
+#[test]
+fn ctypes_helper_on_the_host_backend() {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .env(
+            "PYTHONPATH",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts"),
+        )
+        .env("VMPOOL_LIB", library())
+        .env("VMPOOL_BACKEND", "host")
+        .output()
+        .expect("python3 runs (CI machines have it)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "python failed:\n{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    assert!(stderr.contains("points inside the allocation"), "{stderr}");
+}

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""vmpool against PyTorch's allocators on real models.
+
+Runs each workload in a process of its own under each allocator:
+
+    native            PyTorch's caching allocator
+    expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+    vmpool            libvmpool_c.so through CUDAPluggableAllocator
+
+and reports, per run: peak reserved (the allocator's own figure, and the
+device's used memory from cuMemGetInfo, sampled after every step, less what
+was in use before the model was built), peak allocated (the allocator's own
+figure), their ratio, and the mean time per step after the warm-up steps.
+Models are random-initialised from their configurations; nothing is
+downloaded. Every run uses the same seed and the same sequence of shapes,
+so the per-step losses (or generated tokens) must match native's.
+
+    python3 scripts/pytorch_compare.py [--steps N] [--workloads a,b] [--allocators a,b]
+                                       [--json OUT.json]
+
+Needs a GPU, PyTorch, transformers and torchvision (the GPU machine has
+them), and libvmpool_c.so (see vmpool_torch.library_path). Exits non-zero
+when a run fails or a loss differs.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+ALLOCATORS = {
+    "native": "",
+    "expandable": "expandable_segments:True",
+    "cudaMallocAsync": "backend:cudaMallocAsync",
+    "vmpool": "",
+}
+WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
+WARMUP = 3
+MIB = 1 << 20
+
+
+# ---- workloads (run in the child) ------------------------------------------
+
+
+def gpt2_model(torch, dev):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config()
+    # Eager attention: deterministic, and the allocation pattern of the
+    # attention matrices is the fragmenting one.
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config).to(dev), config
+
+
+def gpt2_train(torch, dev, rng, steps):
+    model, config = gpt2_model(torch, dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shapes = [(rng.choice([2, 4, 8, 12, 16]), rng.choice([64, 128, 256, 384, 512, 768, 1024])) for _ in range(steps)]
+
+    def step(shape):
+        batch, seq = shape
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=dev)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return shapes, step
+
+
+def gpt2_generate(torch, dev, rng, steps):
+    model, config = gpt2_model(torch, dev)
+    model.eval()
+    shapes = [(rng.choice([1, 2, 4, 8]), rng.randint(16, 512), rng.randint(8, 64)) for _ in range(steps)]
+
+    def step(shape):
+        batch, prompt, new = shape
+        ids = torch.randint(1, config.vocab_size, (batch, prompt), device=dev)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        # A checksum of the generated tokens stands in for a loss.
+        return float(out[:, prompt:].sum().item())
+
+    return shapes, step
+
+
+def resnet50_train(torch, dev, rng, steps):
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).to(dev)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    shapes = [(rng.choice([16, 32, 48, 64]), rng.choice([128, 160, 192, 224, 256])) for _ in range(steps)]
+
+    def step(shape):
+        batch, size = shape
+        x = torch.randn(batch, 3, size, size, device=dev)
+        y = torch.randint(0, 1000, (batch,), device=dev)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return shapes, step
+
+
+BUILD = {"gpt2-train": gpt2_train, "gpt2-generate": gpt2_generate, "resnet50-train": resnet50_train}
+
+
+def child(args):
+    vmpool = None
+    if args.allocator == "vmpool":
+        import vmpool_torch as vmpool
+
+        vmpool.install()
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    # Some backward kernels (adaptive average pooling) have no deterministic
+    # version; they warn, and their losses may differ in the last digits.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # the context, before the baseline
+    free, total = torch.cuda.mem_get_info()
+    baseline = total - free
+    torch.manual_seed(args.seed)
+    torch.cuda.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    shapes, step = BUILD[args.workload](torch, dev, rng, args.steps)
+
+    losses, times, device_peak = [], [], 0
+    for shape in shapes:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(step(shape))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        free, _ = torch.cuda.mem_get_info()
+        device_peak = max(device_peak, total - free - baseline)
+
+    if vmpool is not None:
+        s = vmpool.stats()
+        reserved, allocated = s["reserved_high"], s["used_high"]
+        extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "grows", "refused_frees")}
+    else:
+        reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        extra = {}
+    timed = times[WARMUP:] or times
+    result = {
+        "workload": args.workload,
+        "allocator": args.allocator,
+        "steps": len(shapes),
+        "peak_reserved": reserved,
+        "peak_allocated": allocated,
+        "ratio": reserved / allocated if allocated else float("nan"),
+        "device_peak": device_peak,
+        "ms_per_step": 1000 * statistics.fmean(timed),
+        "ms_median": 1000 * statistics.median(timed),
+        "losses": losses,
+        **extra,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---- the comparison (parent) ---------------------------------------------------
+
+
+def run_child(workload, allocator, args):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if ALLOCATORS[allocator]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--workload", workload,
+           "--allocator", allocator, "--steps", str(args.steps), "--seed", str(args.seed)]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        print(f"!! {workload} / {allocator} failed (exit {proc.returncode}):\n{tail}", flush=True)
+        return None
+    noise = [l for l in proc.stderr.splitlines() if "vmpool" in l and ("ERROR" in l or "WARN" in l)]
+    for line in noise[:10]:
+        print(f"   {allocator} log: {line}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = wall
+    return result
+
+
+def same(a, b):
+    return all(x == y or (math.isclose(x, y, rel_tol=1e-3)) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=WORKLOADS)
+    p.add_argument("--allocator", choices=list(ALLOCATORS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--allocators", default=",".join(ALLOCATORS))
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    p.add_argument("--json", help="write all results here")
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    results, failed = [], False
+    for workload in args.workloads.split(","):
+        for allocator in args.allocators.split(","):
+            r = run_child(workload, allocator, args)
+            if r is None:
+                failed = True
+                continue
+            results.append(r)
+            print(f"{workload:15} {allocator:16} reserved {r['peak_reserved'] / MIB:9.1f} MiB  "
+                  f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
+                  f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
+                  f"({r['wall_s']:.0f} s)", flush=True)
+
+    print()
+    print("| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
+          "| reserved / allocated | ms per step | vs native | losses |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for workload in args.workloads.split(","):
+        rows = [r for r in results if r["workload"] == workload]
+        native = next((r for r in rows if r["allocator"] == "native"), None)
+        for r in rows:
+            if native is None:
+                check, speed = "no native run", "-"
+            elif r is native:
+                check, speed = "reference", "1.000"
+            else:
+                exact = r["losses"] == native["losses"]
+                check = "equal" if exact else ("within 1e-3" if same(r["losses"], native["losses"]) else "DIFFER")
+                failed |= check == "DIFFER"
+                speed = f"{r['ms_per_step'] / native['ms_per_step']:.3f}"
+            print(f"| {workload} | {r['allocator']} | {r['peak_reserved'] / MIB:.1f} | {r['device_peak'] / MIB:.1f} "
+                  f"| {r['peak_allocated'] / MIB:.1f} | {r['ratio']:.4f} | {r['ms_per_step']:.2f} | {speed} | {check} |")
+        vm = next((r for r in rows if r["allocator"] == "vmpool"), None)
+        others = [r["ratio"] for r in rows if r["allocator"] != "vmpool"]
+        if vm and others:
+            print(f"|   bar | vmpool ratio {vm['ratio']:.4f} vs best of PyTorch's {min(others):.4f} "
+                  f"and 1.02: {'met' if vm['ratio'] <= min(min(others), 1.02) else 'NOT met'} | | | | | | | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""vmpool as PyTorch's CUDA allocator.
+
+    import vmpool_torch
+    vmpool_torch.install()      # before the first CUDA allocation
+    ...
+    print(vmpool_torch.stats())  # vmpool's figures for the current device
+
+The library is libvmpool_c.so (`cargo build --release -p vmpool-c`), found
+through $VMPOOL_LIB, else beside this file, else in the repository's
+target/release/. Its settings (release threshold, chunk size, log filter)
+come from the environment: see README.md, "PyTorch", or capi/include/vmpool.h.
+
+The statistics part needs only ctypes, so it also works (and is tested)
+without PyTorch, on the host backend (VMPOOL_BACKEND=host).
+"""
+
+import ctypes
+import os
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_FIELDS = [
+    "valid",
+    "reserved_bytes",
+    "reserved_high",
+    "used_bytes",
+    "used_high",
+    "allocations",
+    "frees",
+    "grows",
+    "remaps",
+    "bytes_remapped",
+    "chunks_created",
+    "chunks_released",
+    "largest_free_range",
+    "pending_bytes",
+    "refused_frees",
+]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in _FIELDS]
+
+
+def library_path():
+    """Where libvmpool_c.so is: $VMPOOL_LIB, beside this file, or target/release."""
+    env = os.environ.get("VMPOOL_LIB")
+    candidates = [Path(env)] if env else []
+    candidates += [_HERE / "libvmpool_c.so", _HERE.parent / "target" / "release" / "libvmpool_c.so"]
+    for path in candidates:
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(
+        "libvmpool_c.so not found (tried %s); build it with "
+        "`cargo build --release -p vmpool-c` or set VMPOOL_LIB" % ", ".join(map(str, candidates))
+    )
+
+
+_lib = None
+
+
+def library():
+    """The loaded library (the same instance PyTorch calls into)."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        lib.vmpool_alloc.restype = ctypes.c_void_p
+        lib.vmpool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmpool_free.restype = None
+        lib.vmpool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmpool_stats.restype = _Stats
+        lib.vmpool_stats.argtypes = [ctypes.c_int]
+        for name in ("vmpool_synchronize", "vmpool_reset_peaks", "vmpool_print_snapshot"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ctypes.c_int]
+        lib.vmpool_trim.restype = ctypes.c_int
+        lib.vmpool_trim.argtypes = [ctypes.c_int, ctypes.c_uint64]
+        lib.vmpool_backend.restype = ctypes.c_char_p
+        lib.vmpool_backend.argtypes = []
+        _lib = lib
+    return _lib
+
+
+def install():
+    """Makes vmpool PyTorch's CUDA allocator. Call it before anything
+    allocates CUDA memory (PyTorch refuses the change afterwards)."""
+    import torch
+
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
+    torch.cuda.memory.change_current_allocator(allocator)
+    library()
+    return allocator
+
+
+def _device(device):
+    if device is not None:
+        return int(device)
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _check(call, rc):
+    if rc != 0:
+        raise RuntimeError("vmpool_%s failed (the reason is in vmpool's log on stderr)" % call)
+
+
+def backend():
+    """'cuda', 'host', or 'none' when the library could not start."""
+    return library().vmpool_backend().decode()
+
+
+def stats(device=None):
+    """vmpool's figures for `device` (default: the current CUDA device) as a dict."""
+    device = _device(device)
+    s = library().vmpool_stats(device)
+    if not s.valid:
+        raise RuntimeError("vmpool_stats(%d) failed (see vmpool's log on stderr)" % device)
+    return {name: getattr(s, name) for name in _FIELDS if name != "valid"}
+
+
+def reset_peaks(device=None):
+    _check("reset_peaks", library().vmpool_reset_peaks(_device(device)))
+
+
+def synchronize(device=None):
+    """Waits for the streams vmpool has seen, frees what they freed, and trims
+    the pool to its release threshold."""
+    _check("synchronize", library().vmpool_synchronize(_device(device)))
+
+
+def empty_cache(device=None):
+    """Like torch.cuda.empty_cache(): returns all unused memory to the device."""
+    device = _device(device)
+    synchronize(device)
+    _check("trim", library().vmpool_trim(device, 0))
+
+
+def print_snapshot(device=None):
+    """Writes the pool's address-space map to stderr."""
+    _check("print_snapshot", library().vmpool_print_snapshot(_device(device)))
