@@ -26,6 +26,9 @@ for line in sys.stdin:
     # tests/soak.rs runs the soak binary by its path on this machine, on the
     # host backend; the GPU machine runs the binary itself (the soak job).
     [ "$name" = soak ] && continue
+    # capi/tests/python.rs checks the Python helper on the host backend,
+    # with the library of this machine's build; nothing for the GPU.
+    [ "$name" = python ] && continue
     cp "$exe" "$bundle/tests/$name"
 done
 

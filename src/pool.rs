@@ -156,6 +156,10 @@ pub struct PoolStats {
     pub frees_completed: u64,
     /// ... by memory freed on another stream, after making them wait for it.
     pub waits_inserted: u64,
+    /// Stream-ordered frees merged back into the heap early, when their
+    /// own stream missed: that stream reuses them at any size; others only
+    /// as the reuse switches allow (see `Guard`).
+    pub frees_merged: u64,
     /// Events recorded on streams to learn when their frees complete.
     pub events_recorded: u64,
     /// Current state.
@@ -337,6 +341,21 @@ struct Registered<B: Backend> {
     events: VecDeque<(u64, B::Event)>,
 }
 
+/// A free heap range that a stream-ordered free returned before its
+/// stream had passed it. The freeing stream may reuse it at once (stream
+/// order); another stream only once ordered after the free, or made to wait
+/// for it; a synchronous allocation only once the free is known complete;
+/// and its chunk is not unmapped or moved until then. Guards cover free
+/// heap space only and never overlap: an allocation removes the guards in
+/// its range, once it may take it.
+#[derive(Debug, Clone, Copy)]
+struct Guard {
+    end: u64,
+    stream: u64,
+    /// The stream's position at the free.
+    seq: u64,
+}
+
 struct Inner<B: Backend> {
     /// Small, then large.
     arenas: [Arena; 2],
@@ -362,6 +381,8 @@ struct Inner<B: Backend> {
     streams: FxHashMap<u64, Registered<B>>,
     /// Events not in use, kept because creating them costs a driver call.
     idle_events: Vec<B::Event>,
+    /// Guarded free ranges, by start.
+    guards: BTreeMap<u64, Guard>,
 }
 
 pub(crate) struct Shared<B: Backend> {
@@ -490,6 +511,7 @@ impl<B: Backend> Pool<B> {
                 stats: PoolStats::default(),
                 streams: FxHashMap::default(),
                 idle_events: Vec::new(),
+                guards: BTreeMap::new(),
             }),
             siblings: Arc::downgrade(siblings),
             recorder,
@@ -789,7 +811,7 @@ impl<B: Backend> Pool<B> {
     pub fn stats(&self) -> PoolStats {
         let inner = self.lock();
         let mut stats = inner.stats.clone();
-        let mut pending_bytes = 0;
+        let mut pending_bytes: u64 = inner.guards.iter().map(|(&a, g)| g.end - a).sum();
         for reg in inner.streams.values() {
             if let Some(f) = reg.stream.state().pending.get(&self.0.id) {
                 // Hot-path counts live with the stream until it unregisters.
@@ -853,9 +875,15 @@ impl<B: Backend> Pool<B> {
     /// Recounts the pool from its own tables and checks them against the
     /// running totals; returns what disagrees. For tests and debugging.
     pub fn audit(&self) -> std::result::Result<(), String> {
-        let pending = self.stats().pending_bytes;
-        self.lock()
-            .audit(self.0.used.load(Ordering::Relaxed) + pending)
+        let inner = self.lock();
+        // Pending frees still in their streams' lists are allocated in the
+        // heap; guarded ones are free there.
+        let pending: u64 = inner
+            .streams
+            .values()
+            .filter_map(|reg| reg.stream.state().pending.get(&self.0.id).map(|f| f.bytes))
+            .sum();
+        inner.audit(self.0.used.load(Ordering::Relaxed) + pending)
     }
 }
 
@@ -899,56 +927,194 @@ impl<B: Backend> Inner<B> {
         if stream.is_some() && self.reuse[1] {
             self.collect_completed(space)?;
         }
-        let found = match self.arenas[arena].heap.alloc(size) {
-            Some(found) => Some(found),
-            None => match stream {
-                Some(s) => {
-                    if let Some(p) = self.reuse_pending(space, size, s)? {
-                        self.stats.allocations += 1;
-                        return Ok(p);
-                    }
-                    if self.reuse[1] {
-                        // Events just recorded on idle streams complete at
-                        // once: better their frees than new memory.
-                        self.record_pending(space)?;
-                        self.collect_completed(space)?;
-                        self.arenas[arena].heap.alloc(size)
-                    } else {
-                        None
-                    }
-                }
-                None => None,
-            },
-        };
-        let (arena, (addr, block)) = match found {
-            Some(found) => (arena, found),
-            None => {
-                let started = std::time::Instant::now();
-                let grown = self.grow(space, arena, size);
-                self.stats.grow_nanos += started.elapsed().as_nanos() as u64;
-                match grown {
-                    Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
-                    // The device is full, but the other arena may have room:
-                    // better there than out of memory.
-                    Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
-                        let other = 1 - arena;
-                        match self.arenas[other].heap.alloc(size) {
-                            Some(found) => (other, found),
-                            None => return Err(Error::Driver(e)),
-                        }
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        };
-        self.stats.allocations += 1;
-        Ok(Pending {
+        // Blocks the guards keep from this allocation, held while it looks
+        // further and given back at the end.
+        let mut held = Vec::new();
+        let found = self.allocate_unheld(space, arena, size, stream, &mut held);
+        for (arena, block) in held {
+            self.arenas[arena].heap.free(block);
+        }
+        self.stats.allocations += u64::from(found.is_ok());
+        found
+    }
+
+    /// [`Inner::allocate`], leaving in `held` the blocks it took from the
+    /// heap but may not use.
+    fn allocate_unheld(
+        &mut self,
+        space: &Space<B>,
+        arena: usize,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        held: &mut Vec<(usize, BlockId)>,
+    ) -> Result<Pending> {
+        let block = |arena, (ptr, block)| Pending {
             arena,
             block,
-            ptr: addr,
+            ptr,
             size,
             seq: 0,
-        })
+        };
+        if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
+            return Ok(block(arena, found));
+        }
+        if let Some(s) = stream {
+            // The stream's own frees, at any size: in its order they are free.
+            if self.merge_own_frees(s) {
+                if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
+                    return Ok(block(arena, found));
+                }
+            }
+            if let Some(p) = self.reuse_pending(space, size, s)? {
+                return Ok(p);
+            }
+            if self.reuse[1] {
+                // Events just recorded on idle streams complete at once:
+                // better their frees than new memory.
+                self.record_pending(space, s.id)?;
+                self.collect_completed(space)?;
+                if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
+                    return Ok(block(arena, found));
+                }
+            }
+        }
+        loop {
+            let started = std::time::Instant::now();
+            let grown = self.grow(space, arena, size);
+            self.stats.grow_nanos += started.elapsed().as_nanos() as u64;
+            let (arena, (addr, id)) = match grown {
+                Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
+                // The device is full, but the other arena may have room:
+                // better there than out of memory.
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                    let other = 1 - arena;
+                    match self.take_from_heap(space, other, size, stream, held)? {
+                        Some(found) => (other, found),
+                        None => return Err(Error::Driver(e)),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
+            // Growth may extend a guarded free range.
+            let cleared = self.clear_guards(space, addr, size, stream);
+            if let Ok(true) = cleared {
+                return Ok(block(arena, (addr, id)));
+            }
+            held.push((arena, id));
+            cleared?;
+        }
+    }
+
+    /// A heap block of `size` bytes in `arena` that `stream` may take (see
+    /// [`Guard`]); the blocks it may not take go to `held`.
+    fn take_from_heap(
+        &mut self,
+        space: &Space<B>,
+        arena: usize,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        held: &mut Vec<(usize, BlockId)>,
+    ) -> Result<Option<(u64, BlockId)>> {
+        while let Some((addr, block)) = self.arenas[arena].heap.alloc(size) {
+            match self.clear_guards(space, addr, size, stream) {
+                Ok(true) => return Ok(Some((addr, block))),
+                // Given back to the heap by the caller, either way.
+                Ok(false) => held.push((arena, block)),
+                Err(err) => {
+                    held.push((arena, block));
+                    return Err(err);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `stream` (`None`: a synchronous allocation) may take
+    /// `[addr, addr + size)`, as far as guards go: each guard of another
+    /// stream must be one `stream` is ordered after, or, where the switches
+    /// allow, `stream` is made to wait for it. If so, the guards of the range
+    /// go (the allocation's own later free will guard it again).
+    fn clear_guards(
+        &mut self,
+        space: &Space<B>,
+        addr: u64,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<bool> {
+        let end = addr + size;
+        let mut after: FxHashMap<u64, u64> = FxHashMap::default();
+        for (_, g) in self.guards_in(addr, end) {
+            if stream.is_none_or(|s| s.id != g.stream) {
+                let seq = after.entry(g.stream).or_insert(0);
+                *seq = (*seq).max(g.seq);
+            }
+        }
+        if !after.is_empty() {
+            let Some(s) = stream else {
+                return Ok(false);
+            };
+            for (id, seq) in after {
+                if self.reuse[0] && s.state().clock.get(id) >= seq {
+                    continue;
+                }
+                if !self.reuse[2] {
+                    return Ok(false);
+                }
+                let event_seq = self.event_after_frees(space, id)?;
+                let reg = &self.streams[&id];
+                let (_, event) = reg
+                    .events
+                    .iter()
+                    .find(|(seq, _)| *seq == event_seq)
+                    .expect("recorded above");
+                space.backend.stream_wait_event(&s.raw, event)?;
+                s.state().clock.advance(id, event_seq);
+                self.stats.waits_inserted += 1;
+            }
+        }
+        for (start, g) in self.guards_in(addr, end) {
+            self.guards.remove(&start);
+            if start < addr {
+                self.guards.insert(start, Guard { end: addr, ..g });
+            }
+            if g.end > end {
+                self.guards.insert(end, g);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The guards overlapping `[start, end)`.
+    fn guards_in(&self, start: u64, end: u64) -> Vec<(u64, Guard)> {
+        let mut found: Vec<(u64, Guard)> = self
+            .guards
+            .range(..end)
+            .rev()
+            .take_while(|(_, g)| g.end > start)
+            .map(|(&a, &g)| (a, g))
+            .collect();
+        found.reverse();
+        found
+    }
+
+    /// Moves every pending free of `stream` into the heap, guarded, so that
+    /// the stream can reuse them at any size. Whether there were any.
+    fn merge_own_frees(&mut self, stream: &Arc<StreamShared<B>>) -> bool {
+        let merged = match stream.state().pending.get_mut(&self.id) {
+            Some(f) => f.drain_upto(u64::MAX),
+            None => return false,
+        };
+        for p in &merged {
+            self.arenas[p.arena].heap.free(p.block);
+            let guard = Guard {
+                end: p.ptr + p.size,
+                stream: stream.id,
+                seq: p.seq,
+            };
+            self.guards.insert(p.ptr, guard);
+            self.stats.frees_merged += 1;
+        }
+        !merged.is_empty()
     }
 
     /// Notes that `stream` has (or will have) pending frees here.
@@ -983,10 +1149,11 @@ impl<B: Backend> Inner<B> {
         Ok(())
     }
 
-    /// Memory freed in stream order that `stream` may take without growing
-    /// the pool: its own frees of a near size; then frees of streams it is
-    /// ordered after (follow event dependencies); then any, after making it
-    /// wait for them (internal dependencies). Sizes up to 1/8 larger count.
+    /// Memory freed in stream order on other streams that `stream` may take
+    /// without growing the pool (its own are in the heap by now): frees of
+    /// streams it is ordered after (follow event dependencies); then any,
+    /// after making it wait for them (internal dependencies). Sizes up to
+    /// 1/8 larger count.
     #[cold]
     fn reuse_pending(
         &mut self,
@@ -995,16 +1162,7 @@ impl<B: Backend> Inner<B> {
         stream: &Arc<StreamShared<B>>,
     ) -> Result<Option<Pending>> {
         let pool = self.id;
-        let clock = {
-            let mut st = stream.state();
-            if let Some(f) = st.pending.get_mut(&pool) {
-                if let Some(near) = f.near_size(size, u64::MAX) {
-                    self.stats.same_stream_reuses += 1;
-                    return Ok(f.take(near, u64::MAX));
-                }
-            }
-            st.clock.clone()
-        };
+        let clock = stream.state().clock.clone();
         let others = || self.streams.iter().filter(|(&id, _)| id != stream.id);
         if self.reuse[0] {
             for (&id, reg) in others() {
@@ -1087,8 +1245,13 @@ impl<B: Backend> Inner<B> {
     /// none, so that a later miss can tell when those frees complete. Done
     /// on misses only: the same-stream path records nothing.
     #[cold]
-    fn record_pending(&mut self, space: &Space<B>) -> Result<()> {
-        let ids: Vec<u64> = self.streams.keys().copied().collect();
+    fn record_pending(&mut self, space: &Space<B>, except: u64) -> Result<()> {
+        let ids: Vec<u64> = self
+            .streams
+            .keys()
+            .copied()
+            .filter(|&id| id != except)
+            .collect();
         for id in ids {
             self.event_after_frees(space, id)?;
         }
@@ -1096,17 +1259,21 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Frees of stream `id` up to position `upto` are free for every
-    /// stream: back to the heap. Events that captured no later position go
-    /// idle; a stream left with nothing pending is unregistered.
+    /// stream: back to the heap, and their guards go. Events that captured
+    /// no later position go idle; a stream left with nothing pending and no
+    /// guard is unregistered.
     fn release_pending(&mut self, id: u64, upto: u64) {
-        let Some(reg) = self.streams.get_mut(&id) else {
+        if !self.streams.contains_key(&id) {
             return;
-        };
+        }
+        self.guards.retain(|_, g| g.stream != id || g.seq > upto);
+        let guarded = self.guards.values().any(|g| g.stream == id);
+        let reg = self.streams.get_mut(&id).expect("checked");
         let (released, now_empty) = {
             let mut st = reg.stream.state();
             let f = st.pending.get_mut(&self.id).expect("registered");
             let released = f.drain_upto(upto);
-            let now_empty = f.by_size.is_empty();
+            let now_empty = f.by_size.is_empty() && !guarded;
             if now_empty {
                 let f = st.pending.remove(&self.id).expect("present");
                 self.stats.allocations += f.reuses;
@@ -1229,13 +1396,15 @@ impl<B: Backend> Inner<B> {
         })
     }
 
-    /// Units with no live byte, in both arenas.
+    /// Units with no live byte, in both arenas, that no stream may still
+    /// touch (no guard on them): those that can be unmapped.
     fn free_units(&self) -> Vec<FreeUnit> {
         let mut found = Vec::new();
         for arena in &self.arenas {
             arena.heap.for_each_free(|addr, len, block| {
                 for (&va, m) in self.units.range(addr..addr + len) {
-                    if va + m.size() as u64 <= addr + len {
+                    let end = va + m.size() as u64;
+                    if end <= addr + len && self.guards_in(va, end).is_empty() {
                         found.push((va, m.size() as u64, block));
                     }
                 }
@@ -1519,6 +1688,31 @@ impl<B: Backend> Inner<B> {
             ));
         }
         let free: u64 = self.arenas.iter().map(|a| a.heap.free_bytes()).sum();
+        let mut free_ranges = Vec::new();
+        for arena in &self.arenas {
+            arena
+                .heap
+                .for_each_free(|addr, len, _| free_ranges.push((addr, addr + len)));
+        }
+        free_ranges.sort_unstable();
+        let mut prev_end = 0;
+        for (&start, g) in &self.guards {
+            let i = free_ranges.partition_point(|&(a, _)| a <= start);
+            let inside = i > 0 && free_ranges[i - 1].1 >= g.end;
+            if start < prev_end || g.end <= start || !inside {
+                problems.push(format!(
+                    "guard [{start:#x}, {:#x}) of stream {} is not a free range of its own",
+                    g.end, g.stream
+                ));
+            }
+            if !self.streams.contains_key(&g.stream) {
+                problems.push(format!(
+                    "guard at {start:#x}: stream {} not registered",
+                    g.stream
+                ));
+            }
+            prev_end = g.end;
+        }
         if free + allocated != mapped {
             problems.push(format!(
                 "free {free} + allocated {allocated} != {mapped} bytes mapped"

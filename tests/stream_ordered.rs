@@ -114,6 +114,63 @@ fn race<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats)
     (same, pool.stats())
 }
 
+/// Frees of one stream serve that stream at any size, merged, before the
+/// work that used them has run; no other stream gets them unordered.
+pub fn own_frees_are_reused_at_any_size<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, ALL_OFF);
+    let (sa, sb) = (
+        ctx.create_stream(DEV).unwrap(),
+        ctx.create_stream(DEV).unwrap(),
+    );
+    let (quarter, half) = (WHOLE / 4, WHOLE / 2);
+    let parts: Vec<Allocation> = (0..4)
+        .map(|_| ctx.alloc_async(quarter, &sa).unwrap())
+        .collect();
+    let start = parts.iter().map(|a| a.ptr().0).min().unwrap();
+    let inside = |a: &Allocation| a.ptr().0 < start + WHOLE && a.ptr().0 + a.size() > start;
+    b.delay(sa.raw(), LATE).unwrap();
+    for (i, a) in parts.iter().enumerate() {
+        fill(&**b, &sa, a, 0xA0 + i as u32);
+    }
+    for a in parts {
+        ctx.free_async(a, &sa).unwrap();
+    }
+    let created = pool.stats().chunks_created;
+    // The freeing stream takes two quarters as one block, at once; the
+    // other two stay free in the heap, guarded.
+    let first = ctx.alloc_async(half, &sa).unwrap();
+    assert!(inside(&first), "stream A did not reuse its own frees");
+    assert_eq!(pool.stats().frees_merged, 4);
+    assert_eq!(pool.stats().pending_bytes, half);
+    // Another stream, not ordered after the frees, with every switch off,
+    // must not get the guarded half: it grows.
+    let other = ctx.alloc_async(half, &sb).unwrap();
+    assert!(
+        !inside(&other),
+        "stream B got memory stream A has not passed"
+    );
+    assert_eq!(pool.stats().chunks_created, created + 1);
+    fill(&**b, &sb, &other, 0xBBBB);
+    // Stream A may still take it.
+    let second = ctx.alloc_async(half, &sa).unwrap();
+    assert!(inside(&second));
+    assert_eq!(pool.stats().chunks_created, created + 1);
+    for (a, v) in [(&first, 0xC1), (&second, 0xC2)] {
+        fill(&**b, &sa, a, v);
+        assert_holds(&**b, &sa, a, v);
+    }
+    assert_holds(&**b, &sb, &other, 0xBBBB);
+    for a in [first, second] {
+        ctx.free_async(a, &sa).unwrap();
+    }
+    ctx.free_async(other, &sb).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+    pool.audit().unwrap();
+    assert_eq!(pool.stats().pending_bytes, 0);
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
 pub fn cross_stream_race_with_switches_on<B: Backend>(b: &Arc<B>) {
     let (same, stats) = race(b, ALL_ON);
     // Either other memory, or the same memory after a wait for A's free.
@@ -196,8 +253,11 @@ pub fn completed_frees_are_reused_opportunistically<B: Backend>(b: &Arc<B>) {
     );
     let a = ctx.alloc_async(WHOLE, &sa).unwrap();
     let a_ptr = a.ptr();
+    // Work still queued before the free: it cannot have completed yet.
+    b.delay(sa.raw(), LATE).unwrap();
     ctx.free_async(a, &sa).unwrap();
-    // This miss records an event after A's free (nothing known yet: grow).
+    // This miss records an event after A's free, which stays pending
+    // behind the delay: grow.
     let other = ctx.alloc_async(WHOLE, &sb).unwrap();
     assert_ne!(other.ptr(), a_ptr);
     // A's stream is idle, so its event completes; the next miss sees it.
@@ -320,6 +380,7 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
 
 suites!(
     same_stream_reuse_without_synchronization,
+    own_frees_are_reused_at_any_size,
     cross_stream_race_with_switches_on,
     cross_stream_race_with_switches_off,
     internal_dependency_reuses_instead_of_growing,
