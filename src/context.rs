@@ -107,6 +107,12 @@ impl<B: Backend> Context<B> {
 
     /// Records `event` on `stream`: it captures the work queued so far.
     pub fn record_event(&self, event: &Event<B>, stream: &Stream<B>) -> Result<()> {
+        if event.device() != stream.device() {
+            return Err(Error::WrongDevice {
+                expected: stream.device(),
+                found: event.device(),
+            });
+        }
         self.backend.record_event(&event.raw, &stream.0.raw)?;
         event.capture(&stream.0);
         Ok(())

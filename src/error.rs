@@ -38,6 +38,11 @@ pub enum Error {
     WrongPool { ptr: u64 },
     #[error("{0} does not exist")]
     InvalidDevice(DeviceId),
+    /// A stream or event of one device used with a pool, stream or event of
+    /// another. A pool serves streams of its own device only: it maps its
+    /// memory for that device and orders frees with that device's events.
+    #[error("a stream or event of {found} used with {expected}")]
+    WrongDevice { expected: DeviceId, found: DeviceId },
     #[error("invalid pool property: {0}")]
     InvalidProps(String),
     #[error("attribute {attribute:?} cannot be set to {value}: {reason}")]

@@ -560,6 +560,7 @@ impl<B: Backend> Pool<B> {
     /// allow (SPEC.md section 3), possibly by making `stream` wait for the
     /// free.
     pub fn allocate_async(&self, size: u64, stream: &Stream<B>) -> Result<Allocation> {
+        self.same_device(stream)?;
         self.allocate_with(size, Some(&stream.0))
     }
 
@@ -572,6 +573,7 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
+        self.same_device(stream)?;
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
         self.record_free(&allocation, stream.0.id);
         let size = allocation.block_size;
@@ -598,6 +600,21 @@ impl<B: Backend> Pool<B> {
             // pool (its lock comes first), then retry.
             drop(st);
             self.lock().register(&stream.0);
+        }
+    }
+
+    /// Unlike `cudaMallocFromPoolAsync`, which takes a stream of any
+    /// device, a pool serves only streams of its own device: it gives no
+    /// other device access to its memory, and the events it records to order
+    /// frees are its device's.
+    fn same_device(&self, stream: &Stream<B>) -> Result<()> {
+        if stream.device() == self.device() {
+            Ok(())
+        } else {
+            Err(Error::WrongDevice {
+                expected: self.device(),
+                found: stream.device(),
+            })
         }
     }
 
