@@ -977,7 +977,7 @@ impl<B: Backend> Inner<B> {
         }
         if let Some(s) = stream {
             // The stream's own frees, at any size: in its order they are free.
-            if self.merge_own_frees(s) {
+            if self.merge_own_frees(space, s)? {
                 if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
                     return Ok(block(arena, found));
                 }
@@ -1116,10 +1116,15 @@ impl<B: Backend> Inner<B> {
 
     /// Moves every pending free of `stream` into the heap, guarded, so that
     /// the stream can reuse them at any size. Whether there were any.
-    fn merge_own_frees(&mut self, stream: &Arc<StreamShared<B>>) -> bool {
+    ///
+    /// The guards go when an event shows the stream has passed the frees;
+    /// one is recorded here unless one is outstanding already, so that a
+    /// stream missing often records at most one event per round trip of its
+    /// work, and its free chunks become movable again once it catches up.
+    fn merge_own_frees(&mut self, space: &Space<B>, stream: &Arc<StreamShared<B>>) -> Result<bool> {
         let merged = match stream.state().pending.get_mut(&self.id) {
             Some(f) => f.drain_upto(u64::MAX),
-            None => return false,
+            None => return Ok(false),
         };
         for p in &merged {
             self.arenas[p.arena].heap.free(p.block);
@@ -1131,7 +1136,10 @@ impl<B: Backend> Inner<B> {
             self.guards.insert(p.ptr, guard);
             self.stats.frees_merged += 1;
         }
-        !merged.is_empty()
+        if !merged.is_empty() && self.streams[&stream.id].events.is_empty() {
+            self.event_after_frees(space, stream.id)?;
+        }
+        Ok(!merged.is_empty())
     }
 
     /// Notes that `stream` has (or will have) pending frees here.
