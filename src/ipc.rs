@@ -158,6 +158,7 @@ impl<B: Backend> Default for Exports<B> {
             state: Mutex::new(ExportState {
                 by_ptr: HashMap::new(),
                 next_serial: 0,
+                ending: 0,
                 connections: Vec::new(),
             }),
         }
@@ -168,6 +169,9 @@ struct ExportState<B: Backend> {
     /// Live exported allocations by address.
     by_ptr: HashMap<u64, Exported<B>>,
     next_serial: u64,
+    /// Last leases whose deferred free is being carried out: still counted
+    /// as leases, so that nobody sees none before the free is done.
+    ending: u64,
     /// The pool's ends of its connections, shut down when the pool goes so
     /// that their threads end.
     connections: Vec<Weak<OwnedFd>>,
@@ -211,7 +215,8 @@ impl<B: Backend> Exports<B> {
     }
 
     fn leases(&self) -> u64 {
-        lock(&self.state).by_ptr.values().map(|e| e.leases).sum()
+        let state = lock(&self.state);
+        state.ending + state.by_ptr.values().map(|e| e.leases).sum::<u64>()
     }
 }
 
@@ -331,6 +336,7 @@ impl<B: Backend> Pool<B> {
             }
             let e = state.by_ptr.remove(&ptr).expect("found above");
             exports.live.fetch_sub(1, Ordering::Release);
+            state.ending += 1;
             e.deferred
         };
         if let Some((allocation, stream)) = deferred {
@@ -342,6 +348,7 @@ impl<B: Backend> Pool<B> {
             if let Err(err) = freed {
                 tracing::warn!(%err, "a deferred free failed");
             }
+            lock(&self.shared().exports.state).ending -= 1;
         }
     }
 }
@@ -358,6 +365,13 @@ const STALE: u64 = 1;
 const FOREIGN: u64 = 2;
 const FAILED: u64 = 3;
 
+/// A reply: messages, each with the descriptor that goes with it.
+type Reply = Vec<(Vec<u8>, Option<OwnedFd>)>;
+
+fn reply(words: &[u64], text: &str) -> Reply {
+    vec![(message(words, text), None)]
+}
+
 /// Serves one connection until it closes or the pool goes, then ends the
 /// leases it still holds.
 fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
@@ -372,19 +386,15 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
         };
         let Some(shared) = pool.upgrade() else { break };
         let pool = Pool::from_shared(shared);
-        let sent = match request.as_slice() {
-            [HELLO] => send(
-                conn.as_fd(),
-                &message(
-                    &[
-                        OK,
-                        pool_token(pool.id()),
-                        u64::from(pool.device().0),
-                        pool.backend().granularity(pool.device()).unwrap_or(0) as u64,
-                    ],
-                    "",
-                ),
-                None,
+        let answer = match request.as_slice() {
+            [HELLO] => reply(
+                &[
+                    OK,
+                    pool_token(pool.id()),
+                    u64::from(pool.device().0),
+                    pool.backend().granularity(pool.device()).unwrap_or(0) as u64,
+                ],
+                "",
             ),
             &[IMPORT, token, serial, ptr, size] => {
                 let data = ExportData {
@@ -394,17 +404,24 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
                     size,
                 };
                 next_lease += 1;
-                serve_import(&pool, conn.as_fd(), &data, next_lease, &mut leases)
+                grant(&pool, &data, next_lease, &mut leases)
             }
             &[RELEASE, lease] => match leases.remove(&lease) {
                 Some(ptr) => {
                     pool.end_lease(ptr);
-                    send(conn.as_fd(), &message(&[OK], ""), None)
+                    reply(&[OK], "")
                 }
-                None => send(conn.as_fd(), &message(&[FAILED], "no such lease"), None),
+                None => reply(&[FAILED], "no such lease"),
             },
-            _ => send(conn.as_fd(), &message(&[FAILED], "unknown request"), None),
+            _ => reply(&[FAILED], "unknown request"),
         };
+        // Let go of the pool before answering: once answered, the other
+        // side may expect everything to be as it left it, the pool gone
+        // included, when this process drops it.
+        drop(pool);
+        let sent = answer
+            .iter()
+            .try_for_each(|(bytes, fd)| send(conn.as_fd(), bytes, fd.as_ref().map(|f| f.as_fd())));
         if sent.is_err() {
             break;
         }
@@ -423,16 +440,15 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
     }
 }
 
-/// Answers an import: a header, then one message per chunk with its
-/// descriptor. The lease is recorded before anything is sent, so that a
-/// connection that breaks half-way still ends it.
-fn serve_import<B: Backend>(
+/// Takes a lease for an import and answers with a header, then one message
+/// per chunk with its descriptor. The lease is recorded before anything is
+/// sent, so that a connection that breaks half-way still ends it.
+fn grant<B: Backend>(
     pool: &Pool<B>,
-    conn: BorrowedFd<'_>,
     data: &ExportData,
     lease: u64,
     leases: &mut HashMap<u64, u64>,
-) -> Result<()> {
+) -> Reply {
     let (first, chunks) = match pool.lease(data) {
         Ok(found) => found,
         Err(err) => {
@@ -441,24 +457,29 @@ fn serve_import<B: Backend>(
                 Error::ForeignExport { .. } => FOREIGN,
                 _ => FAILED,
             };
-            return send(conn, &message(&[code], &err.to_string()), None);
+            return reply(&[code], &err.to_string());
         }
     };
-    let fds = match chunks.iter().map(|c| c.export()).collect::<vmm::Result<Vec<_>>>() {
+    let fds = match chunks
+        .iter()
+        .map(|c| c.export())
+        .collect::<vmm::Result<Vec<_>>>()
+    {
         Ok(fds) => fds,
         Err(err) => {
             pool.end_lease(data.ptr);
-            return send(conn, &message(&[FAILED], &err.to_string()), None);
+            return reply(&[FAILED], &err.to_string());
         }
     };
     leases.insert(lease, data.ptr);
-    let header = [OK, lease, data.ptr - first, chunks.len() as u64];
-    send(conn, &message(&header, ""), None)?;
-    for (chunk, fd) in chunks.iter().zip(&fds) {
-        let words = [chunk.handle().0, chunk.size() as u64];
-        send(conn, &message(&words, ""), Some(fd.as_fd()))?;
+    let mut answer = reply(&[OK, lease, data.ptr - first, chunks.len() as u64], "");
+    for (chunk, fd) in chunks.iter().zip(fds) {
+        answer.push((
+            message(&[chunk.handle().0, chunk.size() as u64], ""),
+            Some(fd),
+        ));
     }
-    Ok(())
+    answer
 }
 
 // ---- the importing side --------------------------------------------------------
@@ -486,8 +507,12 @@ impl<B: Backend> ImportedPool<B> {
     pub fn from_shareable_handle(backend: &Arc<B>, handle: OwnedFd) -> Result<Self> {
         // A socket that nobody serves would never answer.
         let timeout = |t| {
-            rustix::net::sockopt::set_socket_timeout(&handle, rustix::net::sockopt::Timeout::Recv, t)
-                .map_err(|e| ipc_error("setsockopt", e))
+            rustix::net::sockopt::set_socket_timeout(
+                &handle,
+                rustix::net::sockopt::Timeout::Recv,
+                t,
+            )
+            .map_err(|e| ipc_error("setsockopt", e))
         };
         timeout(Some(HELLO_TIMEOUT))?;
         let reply = request(handle.as_fd(), &[HELLO])?;
@@ -736,10 +761,7 @@ fn request(conn: BorrowedFd<'_>, words_out: &[u64]) -> Result<(Vec<u64>, String)
     if code == OK {
         Ok((words(&buf[..n]), String::new()))
     } else {
-        Ok((
-            vec![code],
-            String::from_utf8_lossy(&buf[8..n]).into_owned(),
-        ))
+        Ok((vec![code], String::from_utf8_lossy(&buf[8..n]).into_owned()))
     }
 }
 

@@ -87,8 +87,12 @@ pub trait Backend: Send + Sync + 'static {
     /// and released like any other. `device` and `size` are what the exporter
     /// says the chunk is. The caller keeps `fd`. A descriptor that is not an
     /// exported chunk is an error, never memory of the wrong size.
-    fn import_chunk(&self, fd: BorrowedFd<'_>, device: DeviceId, size: usize)
-        -> Result<ChunkHandle>;
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle>;
 
     // ---- streams and events ----------------------------------------------
 

@@ -575,7 +575,12 @@ impl Backend for Cuda {
         unsafe { result::mem_export_to_shareable_handle(chunk.0) }
     }
 
-    fn import_chunk(&self, fd: BorrowedFd<'_>, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle> {
         let context = self.device("import_chunk", device)?;
         check_size("import_chunk", context.granularity(), size)?;
         context.bind()?;

@@ -450,9 +450,9 @@ impl Backend for Host {
         self.check_device("import_chunk", device)?;
         self.check_size("import_chunk", size)?;
         sys::check_chunk_fd(fd, size)?;
-        let owned = fd.try_clone_to_owned().map_err(|e| {
-            Error::rejected("import_chunk", ErrorKind::Other, format!("dup: {e}"))
-        })?;
+        let owned = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::rejected("import_chunk", ErrorKind::Other, format!("dup: {e}")))?;
         let mut tables = self.memory.tables_mut();
         tables.next_chunk += 1;
         let handle = tables.next_chunk;
