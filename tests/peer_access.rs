@@ -55,7 +55,8 @@ fn read<B: Backend>(b: &B, s: &B::Stream, a: &Allocation) -> vmpool::vmm::Result
 }
 
 fn fill<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, value: u32) {
-    b.fill_u32(s, a.ptr(), a.size() as usize / 4, value).unwrap();
+    b.fill_u32(s, a.ptr(), a.size() as usize / 4, value)
+        .unwrap();
     b.synchronize_stream(s).unwrap();
 }
 
@@ -111,9 +112,15 @@ pub fn peer_reads_and_writes_after_access_is_granted<B: Backend>(b: &Arc<B>) {
     pool.set_access(D1, Access::ReadWrite).unwrap();
     assert_eq!(pool.access(D1).unwrap(), Access::ReadWrite);
     assert_eq!(driver_access(&pool, D1), all(Access::ReadWrite, units));
-    assert_eq!(read(&**b, &s1, &a).unwrap(), vec![0x600D; a.size() as usize / 4]);
+    assert_eq!(
+        read(&**b, &s1, &a).unwrap(),
+        vec![0x600D; a.size() as usize / 4]
+    );
     fill(&**b, &s1, &a, 0xBEEF);
-    assert_eq!(read(&**b, &s0, &a).unwrap(), vec![0xBEEF; a.size() as usize / 4]);
+    assert_eq!(
+        read(&**b, &s0, &a).unwrap(),
+        vec![0xBEEF; a.size() as usize / 4]
+    );
     pool.free(a).unwrap();
     pool.audit().unwrap();
 }
@@ -130,7 +137,11 @@ pub fn access_follows_growth_and_remaps<B: Backend>(b: &Arc<B>) {
     let (mut keep, mut holes) = (Vec::new(), Vec::new());
     for i in 0..9 {
         let a = pool.allocate(g).unwrap();
-        if i % 2 == 0 { keep.push(a) } else { holes.push(a) }
+        if i % 2 == 0 {
+            keep.push(a)
+        } else {
+            holes.push(a)
+        }
     }
     for a in holes {
         pool.free(a).unwrap();
@@ -142,7 +153,10 @@ pub fn access_follows_growth_and_remaps<B: Backend>(b: &Arc<B>) {
     let s1 = b.create_stream(D1).unwrap();
     fill(&**b, &s1, &big, 7);
     let s0 = b.create_stream(D0).unwrap();
-    assert_eq!(read(&**b, &s0, &big).unwrap(), vec![7; big.size() as usize / 4]);
+    assert_eq!(
+        read(&**b, &s0, &big).unwrap(),
+        vec![7; big.size() as usize / 4]
+    );
 
     // Revoked: from every mapping, and new ones do not get it.
     b.synchronize_stream(&s1).unwrap();
@@ -184,7 +198,10 @@ pub fn per_device_pools<B: Backend>(b: &Arc<B>) {
         );
         let s = b.create_stream(mine).unwrap();
         fill(&**b, &s, &a, mine.0 + 1);
-        assert_eq!(read(&**b, &s, &a).unwrap(), vec![mine.0 + 1; size as usize / 4]);
+        assert_eq!(
+            read(&**b, &s, &a).unwrap(),
+            vec![mine.0 + 1; size as usize / 4]
+        );
         host_refuses(b, other, &a);
         allocations.push((pool, a));
     }

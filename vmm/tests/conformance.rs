@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vmm::memory::{Chunk, Mapping, Reservation};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use vmm::memory::{Chunk, Mapping, Reservation};
 
 use vmm::{Access, AccessDesc, Backend, DeviceId, ErrorKind, EventStatus, Result};
 
@@ -378,7 +378,10 @@ pub fn get_access_reports_the_driver_state<B: Backend>(b: &Arc<B>) {
         Access::ReadWrite
     );
     // Not mapped, and no such device.
-    assert_kind(b.get_access(r.base().byte_add(g), DEV), ErrorKind::InvalidArgument);
+    assert_kind(
+        b.get_access(r.base().byte_add(g), DEV),
+        ErrorKind::InvalidArgument,
+    );
     let missing = DeviceId(b.device_count().unwrap());
     assert_kind(b.get_access(m.va(), missing), ErrorKind::InvalidDevice);
 }
@@ -388,7 +391,11 @@ pub fn only_shareable_chunks_export<B: Backend>(b: &Arc<B>) {
     let shareable = Chunk::new_shareable(b, DEV, g).unwrap();
     let fd = shareable.export().unwrap();
     let again = shareable.export().unwrap();
-    assert_ne!(fd.as_raw_fd(), again.as_raw_fd(), "each export is a new descriptor");
+    assert_ne!(
+        fd.as_raw_fd(),
+        again.as_raw_fd(),
+        "each export is a new descriptor"
+    );
     let plain = Chunk::new(b, DEV, g).unwrap();
     assert_kind(plain.export(), ErrorKind::InvalidArgument);
     // A shareable chunk maps and holds data like any other.
@@ -593,7 +600,10 @@ mod host_sharing {
         assert_eq!(read_u32s(&*b, &sb, mb.va(), 8), vec![0xE0; 8]);
         b.fill_u32(&sb, mb.va().byte_add(g - 32), 8, 0x1B).unwrap();
         b.synchronize_stream(&sb).unwrap();
-        assert_eq!(read_u32s(&*a, &sa, ma.va().byte_add(g - 32), 8), vec![0x1B; 8]);
+        assert_eq!(
+            read_u32s(&*a, &sa, ma.va().byte_add(g - 32), 8),
+            vec![0x1B; 8]
+        );
         // The exporter lets go first; the importer's mapping keeps the memory.
         drop((ma, chunk, ra));
         assert_eq!(a.census(), vmm::host::Census::default());
@@ -607,16 +617,28 @@ mod host_sharing {
         let g = 2 << 20;
         let b = open::host();
         let not_memory: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-        assert_kind(b.import_chunk(not_memory.as_fd(), DEV, g), ErrorKind::InvalidArgument);
+        assert_kind(
+            b.import_chunk(not_memory.as_fd(), DEV, g),
+            ErrorKind::InvalidArgument,
+        );
         // A memfd, but not one sealed at its size: it could shrink under a
         // mapping.
         let loose = rustix::fs::memfd_create("loose", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&loose, g as u64).unwrap();
-        assert_kind(b.import_chunk(loose.as_fd(), DEV, g), ErrorKind::InvalidArgument);
+        assert_kind(
+            b.import_chunk(loose.as_fd(), DEV, g),
+            ErrorKind::InvalidArgument,
+        );
         // A real chunk announced with the wrong size, or for no such device.
         let (_a, _chunk, fd) = exported(g);
-        assert_kind(b.import_chunk(fd.as_fd(), DEV, 2 * g), ErrorKind::InvalidArgument);
-        assert_kind(b.import_chunk(fd.as_fd(), DeviceId(7), g), ErrorKind::InvalidDevice);
+        assert_kind(
+            b.import_chunk(fd.as_fd(), DEV, 2 * g),
+            ErrorKind::InvalidArgument,
+        );
+        assert_kind(
+            b.import_chunk(fd.as_fd(), DeviceId(7), g),
+            ErrorKind::InvalidDevice,
+        );
         assert_eq!(b.census(), vmm::host::Census::default());
         // The refusals did not consume the descriptor.
         let ok = b.import_chunk(fd.as_fd(), DEV, g).unwrap();
