@@ -36,6 +36,14 @@
 //! unified addressing a stray device address can name host memory).
 //! Validation and the driver call happen under one lock, so two threads
 //! cannot race a check against a release.
+//!
+//! **Sharing.** Shareable chunks are created with the POSIX-descriptor
+//! handle type and exported with `cuMemExportToShareableHandle`; an import
+//! (`cuMemImportFromShareableHandle`) enters the tables like a created
+//! chunk. If the driver answers an import with a handle vmm already holds
+//! (memory of this very process), the import is refused rather than have
+//! two owners release one handle. The driver does not say an imported
+//! allocation's size; a wrong one fails at `cuMemMap`.
 
 mod context;
 pub mod peers;
