@@ -31,6 +31,13 @@
 //!
 //! Physical accounting: a chunk counts as reserved from its creation until
 //! the pool releases it.
+//!
+//! Access: the pool keeps one access list (its device read-write, then
+//! whatever peers were given with [`Pool::set_access`]); every mapping it
+//! makes, by growth or by a remap, gets that list, and a change is applied
+//! to every mapped unit at once. Sharing with other processes (`ipc.rs`)
+//! hooks into the frees: an allocation another process has imported stays
+//! allocated, so its units stay put, until that process lets go.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -322,7 +329,7 @@ struct Space<B: Backend> {
     max_size: u64,
     defragment: bool,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
-    pub(crate) shareable: bool,
+    shareable: bool,
 }
 
 impl<B: Backend> Space<B> {
