@@ -7,8 +7,10 @@
 //!
 //! "Refused before access is granted" is checked at the driver on both
 //! backends (`get_access`, i.e. `cuMemGetAccess`), and by actually touching
-//! the memory from the other device on the host backend only: on CUDA that
-//! is an illegal-address fault that poisons the context for good.
+//! the memory from the other device: in the test itself on the host
+//! backend, and on CUDA in a child process (this binary again, running only
+//! `refusal_probe`), since there it is an illegal-address fault that
+//! poisons the context for good.
 
 use std::sync::Arc;
 
@@ -333,4 +335,61 @@ fn failed_set_access_rolls_back() {
     pool.free(z).unwrap();
     drop((pool, ctx, b));
     assert_eq!(host.census(), vmpool::vmm::host::Census::default());
+}
+
+// ---- CUDA: the refusal itself, in a child process --------------------------
+
+/// Set in the child that [`cuda_peer_write_without_access_faults`] starts.
+#[cfg(feature = "gpu-tests")]
+const PROBE_ENV: &str = "VMPOOL_PEER_PROBE";
+
+/// On a GPU, device 1 writing device 0's pool memory without access is an
+/// illegal-address fault that poisons the context for good, so it is tried
+/// in a child process: this binary again, running only `refusal_probe`.
+#[cfg(feature = "gpu-tests")]
+#[test]
+#[ignore = "needs two GPUs: run with --ignored on nvidia-h200-x2"]
+fn cuda_peer_write_without_access_faults() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "refusal_probe",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(PROBE_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("probe: refused"),
+        "device 1 was not refused ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The child's side: does nothing unless started by the test above.
+#[cfg(feature = "gpu-tests")]
+#[test]
+fn refusal_probe() {
+    if std::env::var_os(PROBE_ENV).is_none() {
+        return;
+    }
+    let b = common::cuda();
+    two_devices(&b);
+    let ctx = Context::new(Arc::clone(&b)).unwrap();
+    let pool = granule_pool(&ctx);
+    let a = pool.allocate(4096).unwrap();
+    assert_eq!(b.get_access(a.ptr(), D1).unwrap(), Access::None);
+    let s1 = b.create_stream(D1).unwrap();
+    match b
+        .fill_u32(&s1, a.ptr(), 1, 1)
+        .and_then(|()| b.synchronize_stream(&s1))
+    {
+        Err(e) => println!("probe: refused: {e}"),
+        Ok(()) => println!("probe: allowed"),
+    }
+    // Nothing is dropped: the context may be poisoned.
+    std::process::exit(0);
 }
