@@ -50,7 +50,9 @@
 //! rustix's safe socket calls with owned descriptors: no `unsafe` here.
 //!
 //! An imported allocation gives read-write access to the exporting pool's
-//! device only (the importer's own peers get none). Dropping it unmaps at
+//! device only (the importer's own peers get none). The device is named by
+//! its ordinal, so both processes must number devices alike (the same
+//! `CUDA_VISIBLE_DEVICES`). Dropping it unmaps at
 //! once, like `cudaFree` of an imported pointer: work queued on it must have
 //! finished.
 
