@@ -507,3 +507,34 @@ fn faults_on_either_side_leak_nothing() {
     );
     assert!(injected >= 10, "{injected} faults");
 }
+
+/// The exporter's pool goes while another process still maps an import of
+/// it: the import stays usable (the memory stays, as a live allocation's
+/// does when its pool is dropped), and dropping it later is quiet and
+/// leaves nothing behind in the importer.
+#[test]
+fn an_import_outlives_its_pool() {
+    let exporter = host(1);
+    let ctx = Context::new(Arc::clone(&exporter)).unwrap();
+    let pool = shareable_pool(&ctx, DEV);
+    let a = pool.allocate(4 << 20).unwrap();
+    let s = exporter.create_stream(DEV).unwrap();
+    exporter
+        .fill_u32(&s, a.ptr(), a.size() as usize / 4, 0x0DD)
+        .unwrap();
+    exporter.synchronize_stream(&s).unwrap();
+    let importer = host(1);
+    let imported =
+        ImportedPool::from_shareable_handle(&importer, pool.export_to_shareable_handle().unwrap())
+            .unwrap();
+    let m = imported
+        .import_pointer(&pool.export_pointer(&a).unwrap())
+        .unwrap();
+    pool.free(a).unwrap();
+    assert_eq!(pool.leases(), 1);
+    drop((pool, ctx));
+    let si = importer.create_stream(DEV).unwrap();
+    assert_eq!(uniform(&words(&*importer, &si, m.ptr(), m.size())), "ok dd");
+    drop((m, imported));
+    assert_eq!(importer.census(), Census::default());
+}
