@@ -4,6 +4,7 @@
 #
 #   scripts/gpu-build.sh
 #   device run, carry ["gpu-bundle"], command: bash gpu-bundle/gpu-run.sh
+#   (on nvidia-h200-x2: bash gpu-bundle/gpu-run.sh multi)
 #
 # The GPU machine has no Rust toolchain; binaries load libcuda at run time,
 # so nothing here needs CUDA installed.

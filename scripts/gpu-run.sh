@@ -3,11 +3,16 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch]
-#   (default: all but soak and torch; soak runs SOAK_SECONDS, default 300)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [multi]
+#   (default: all but soak, torch and multi; soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
+#
+# multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
+# per-device pools (tests/peer_access with its two-GPU cases, which are
+# #[ignore]d elsewhere), sharing a pool between processes (tests/ipc), and
+# the peer_access and ipc examples.
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
@@ -59,6 +64,8 @@ for job in $jobs; do
         pushd "$outdir" >/dev/null || exit 1
         mkdir -p target
         for exe in "$here"/examples/*; do
+            # Needs two GPUs: the multi job runs it.
+            [ "$(basename "$exe")" = peer_access ] && continue
             run "example $(basename "$exe")" "$exe"
         done
         popd >/dev/null || exit 1
@@ -83,6 +90,13 @@ for job in $jobs; do
                 run "replay $(basename "$trace") vmpool chunk $size" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" "$trace"
             done
         done
+        ;;
+    multi)
+        nvidia-smi topo -m 2>/dev/null | sed 's/^/topology: /' | tee -a "$log"
+        run "test peer_access (two GPUs)" "$here/tests/peer_access" --include-ignored --test-threads=1
+        run "test ipc (two processes)" "$here/tests/ipc" --test-threads=1
+        run "example peer_access" "$here/examples/peer_access" --backend cuda
+        run "example ipc" "$here/examples/ipc" --backend cuda
         ;;
     *)
         echo "unknown job $job" >&2

@@ -51,6 +51,27 @@ pub enum Error {
         value: u64,
         reason: &'static str,
     },
+    /// Access a pool cannot give (less than read-write for its own device).
+    #[error("{device} cannot be given that access: {reason}")]
+    InvalidAccess {
+        device: DeviceId,
+        reason: &'static str,
+    },
+    /// Sharing with another process needs a pool created with
+    /// `HandleType::PosixFileDescriptor`.
+    #[error("the pool was not created with a shareable handle type")]
+    NotShareable,
+    /// The exported allocation has been freed since it was exported (or was
+    /// never exported by this pool).
+    #[error("the exported allocation at {ptr:#x} is no longer live")]
+    StaleExport { ptr: u64 },
+    /// The export data names another pool than the one imported.
+    #[error("the export data of {ptr:#x} comes from another pool")]
+    ForeignExport { ptr: u64 },
+    /// Talking to the other process failed: it is gone, or the descriptor
+    /// or data is not what vmpool sends.
+    #[error("sharing with another process: {0}")]
+    Ipc(String),
     /// A driver call failed; the pool is still consistent.
     #[error(transparent)]
     Driver(#[from] vmm::Error),

@@ -7,6 +7,9 @@
 //!       allocate_async / free_async     stream-ordered (Context::alloc_async, free_async)
 //!     Stream       a backend stream, plus what vmpool knows of its order and
 //!                  the frees it has pending
+//!     set_access / access           peer access for other devices
+//!   ipc            sharing a pool with another process: export a handle and
+//!                  allocations, import them there; leases keep the memory
 //!   trace          the shared trace format: read (vmpool-replay), written by
 //!                  pools that record (PoolProps::record, VMPOOL_RECORD)
 //! ```
@@ -19,6 +22,7 @@
 mod context;
 mod error;
 mod heap;
+pub mod ipc;
 mod plan;
 mod pool;
 mod stream;
@@ -27,7 +31,7 @@ pub mod trace;
 pub use context::Context;
 pub use error::{Error, Result};
 pub use pool::{
-    Allocation, Pool, PoolAttribute, PoolProps, PoolSnapshot, PoolStats, UnitView,
+    Allocation, HandleType, Pool, PoolAttribute, PoolProps, PoolSnapshot, PoolStats, UnitView,
     DEFAULT_CHUNK_SIZE, SMALL_LIMIT,
 };
 pub use stream::{Event, Stream};

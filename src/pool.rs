@@ -31,6 +31,13 @@
 //!
 //! Physical accounting: a chunk counts as reserved from its creation until
 //! the pool releases it.
+//!
+//! Access: the pool keeps one access list (its device read-write, then
+//! whatever peers were given with [`Pool::set_access`]); every mapping it
+//! makes, by growth or by a remap, gets that list, and a change is applied
+//! to every mapped unit at once. Sharing with other processes (`ipc.rs`)
+//! hooks into the frees: an allocation another process has imported stays
+//! allocated, so its units stay put, until that process lets go.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -41,9 +48,10 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use rustc_hash::FxHashMap;
 use vmm::memory::{Chunk, Mapping, Reservation};
-use vmm::{AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, EventStatus};
+use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, EventStatus};
 
 use crate::heap::{BlockId, Heap, QUANTUM};
+use crate::ipc::Exports;
 use crate::plan::{self, Plan, Source};
 use crate::stream::{lock, Pending, Stream, StreamShared};
 use crate::{Error, Result};
@@ -71,6 +79,21 @@ pub struct PoolProps {
     /// environment variable `VMPOOL_RECORD`, if set, names a path prefix,
     /// and each pool records to `PREFIX.<pool id>.trace`.
     pub record: Option<PathBuf>,
+    /// How the pool's memory can be shared with other processes
+    /// (`cudaMemPoolProps::handleTypes`); see [`crate::ipc`].
+    pub handle_type: HandleType,
+}
+
+/// The kinds of handle a pool's memory can be exported as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HandleType {
+    /// Not shareable (the default).
+    #[default]
+    None,
+    /// POSIX file descriptors (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`):
+    /// chunks are created exportable, and the pool can be exported to
+    /// another process.
+    PosixFileDescriptor,
 }
 
 impl PoolProps {
@@ -82,6 +105,7 @@ impl PoolProps {
             va_size: None,
             defragment: true,
             record: None,
+            handle_type: HandleType::None,
         }
     }
 }
@@ -308,7 +332,8 @@ struct Space<B: Backend> {
     granule: u64,
     max_size: u64,
     defragment: bool,
-    access: Vec<AccessDesc>,
+    /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
+    shareable: bool,
 }
 
 impl<B: Backend> Space<B> {
@@ -383,6 +408,11 @@ struct Inner<B: Backend> {
     idle_events: Vec<B::Event>,
     /// Guarded free ranges, by start.
     guards: BTreeMap<u64, Guard>,
+    /// What each device may do with the pool's memory
+    /// (`cudaMemPoolSetAccess`): the owner's read-write first, then peers.
+    /// Every mapping made gets it; [`Pool::set_access`] applies a change to
+    /// every mapping there is.
+    access: Vec<AccessDesc>,
 }
 
 pub(crate) struct Shared<B: Backend> {
@@ -397,6 +427,8 @@ pub(crate) struct Shared<B: Backend> {
     /// this one reports out-of-memory.
     siblings: Weak<Siblings<B>>,
     recorder: Option<Mutex<Recorder>>,
+    /// Allocations exported to other processes and their leases (`ipc.rs`).
+    pub(crate) exports: Exports<B>,
 }
 
 /// On a cache line of its own: `used` changes on every allocation and free,
@@ -493,7 +525,7 @@ impl<B: Backend> Pool<B> {
                 granule,
                 max_size: props.max_size.unwrap_or(u64::MAX),
                 defragment: props.defragment,
-                access: vec![AccessDesc::read_write(device)],
+                shareable: props.handle_type == HandleType::PosixFileDescriptor,
             },
             inner: Mutex::new(Inner {
                 arenas: [
@@ -512,9 +544,11 @@ impl<B: Backend> Pool<B> {
                 streams: FxHashMap::default(),
                 idle_events: Vec::new(),
                 guards: BTreeMap::new(),
+                access: vec![AccessDesc::read_write(device)],
             }),
             siblings: Arc::downgrade(siblings),
             recorder,
+            exports: Exports::default(),
         });
         let mut list = siblings.lock().unwrap_or_else(|p| p.into_inner());
         list.retain(|w| w.strong_count() > 0);
@@ -525,6 +559,36 @@ impl<B: Backend> Pool<B> {
 
     pub(crate) fn from_shared(shared: Arc<Shared<B>>) -> Self {
         Self(shared)
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared<B>> {
+        &self.0
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    pub(crate) fn is_shareable(&self) -> bool {
+        self.0.space.shareable
+    }
+
+    /// The address of the first unit under `[ptr, ptr + size)` and the
+    /// chunks of all of them, in address order. The range must be a live
+    /// allocation, so that its units are mapped and stay put.
+    pub(crate) fn units_under(&self, ptr: u64, size: u64) -> (u64, Vec<Arc<Chunk<B>>>) {
+        let inner = self.lock();
+        let first = inner
+            .units
+            .range(..=ptr)
+            .next_back()
+            .map_or(ptr, |(&va, _)| va);
+        let chunks = inner
+            .units
+            .range(first..ptr + size.max(1))
+            .map(|(_, m)| Arc::clone(m.chunk()))
+            .collect();
+        (first, chunks)
     }
 
     pub(crate) fn owns(&self, allocation: &Allocation) -> bool {
@@ -574,6 +638,9 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
+        let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) else {
+            return Ok(());
+        };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
         self.record_free(&allocation, stream.0.id);
         let size = allocation.block_size;
@@ -705,6 +772,9 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
+        let Some(allocation) = self.0.exports.on_free(allocation, None) else {
+            return Ok(());
+        };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.record_free(&allocation, 0);
         self.lock().free(allocation.arena, allocation.block);
@@ -777,6 +847,44 @@ impl<B: Backend> Pool<B> {
                 tracing::warn!(%err, "releasing unused memory failed");
             }
         }
+    }
+
+    /// Lets `device` access the pool's memory as `access`
+    /// (`cudaMemPoolSetAccess`): everything mapped now, and everything
+    /// mapped later, growth and remapped chunks included. The pool's own
+    /// device always has read-write access; asking for less is an error.
+    /// On failure the pool's memory and access list are as before.
+    ///
+    /// Taking access away is not stream-ordered: work queued on `device`
+    /// that still touches the pool must have finished.
+    pub fn set_access(&self, device: DeviceId, access: Access) -> Result<()> {
+        if device.0 >= self.backend().device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        if device == self.device() {
+            return match access {
+                Access::ReadWrite => Ok(()),
+                _ => Err(Error::InvalidAccess {
+                    device,
+                    reason: "the pool's own device always has read-write access",
+                }),
+            };
+        }
+        self.lock().set_access(AccessDesc { device, access })
+    }
+
+    /// What `device` may do with the pool's memory
+    /// (`cudaMemPoolGetAccess`).
+    pub fn access(&self, device: DeviceId) -> Result<Access> {
+        if device.0 >= self.backend().device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        Ok(self
+            .lock()
+            .access
+            .iter()
+            .find(|d| d.device == device)
+            .map_or(Access::None, |d| d.access))
     }
 
     pub fn attribute(&self, attribute: PoolAttribute) -> u64 {
@@ -1339,6 +1447,55 @@ impl<B: Backend> Inner<B> {
         }
     }
 
+    /// The access a new mapping gets: the list without its "none" entries
+    /// (a mapping starts with no access for anyone).
+    fn mapping_access(&self) -> Vec<AccessDesc> {
+        self.access
+            .iter()
+            .copied()
+            .filter(|d| d.access != Access::None)
+            .collect()
+    }
+
+    /// Applies `desc` to every mapped unit, one driver call per run of
+    /// adjacent units, then records it for later mappings. On failure the
+    /// runs already changed get the device's previous access back.
+    fn set_access(&mut self, desc: AccessDesc) -> Result<()> {
+        let previous = AccessDesc {
+            device: desc.device,
+            access: self
+                .access
+                .iter()
+                .find(|d| d.device == desc.device)
+                .map_or(Access::None, |d| d.access),
+        };
+        let mut runs: Vec<(u64, u64, Vec<&Mapping<B>>)> = Vec::new();
+        for (&va, m) in &self.units {
+            match runs.last_mut() {
+                Some((_, end, run)) if *end == va => {
+                    *end += m.size() as u64;
+                    run.push(m);
+                }
+                _ => runs.push((va, va + m.size() as u64, vec![m])),
+            }
+        }
+        for (i, (_, _, run)) in runs.iter().enumerate() {
+            if let Err(err) = set_run_access(run, desc) {
+                for (_, _, done) in &runs[..i] {
+                    if let Err(err) = set_run_access(done, previous) {
+                        tracing::warn!(%err, "could not restore a mapping's access");
+                    }
+                }
+                return Err(err.into());
+            }
+        }
+        match self.access.iter_mut().find(|d| d.device == desc.device) {
+            Some(d) => d.access = desc.access,
+            None => self.access.push(desc),
+        }
+        Ok(())
+    }
+
     fn free(&mut self, arena: usize, block: BlockId) {
         self.arenas[arena].heap.free(block);
         self.stats.frees += 1;
@@ -1547,7 +1704,11 @@ impl<B: Backend> Inner<B> {
                 max_size: space.max_size,
             });
         }
-        let chunk = Chunk::new(&space.backend, space.device, size as usize)?;
+        let chunk = if space.shareable {
+            Chunk::new_shareable(&space.backend, space.device, size as usize)?
+        } else {
+            Chunk::new(&space.backend, space.device, size as usize)?
+        };
         self.reserved += size;
         self.reserved_high = self.reserved_high.max(self.reserved);
         self.stats.chunks_created += 1;
@@ -1595,7 +1756,7 @@ impl<B: Backend> Inner<B> {
             }
         };
         self.stats.maps += 1;
-        if let Err(err) = mapping.set_access(&space.access) {
+        if let Err(err) = mapping.set_access(&self.mapping_access()) {
             drop(chunk);
             self.retire(mapping);
             return Err(err.into());
@@ -1757,4 +1918,14 @@ impl<B: Backend> Inner<B> {
             Err(problems.join("; "))
         }
     }
+}
+
+/// Sets `desc` on a run of adjacent mappings with one driver call.
+fn set_run_access<B: Backend>(run: &[&Mapping<B>], desc: AccessDesc) -> vmm::Result<()> {
+    let first = run[0];
+    let size = run.iter().map(|m| m.size()).sum();
+    first
+        .reservation()
+        .backend()
+        .set_access(first.va(), size, &[desc])
 }

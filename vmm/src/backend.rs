@@ -14,9 +14,10 @@
 //! Adding a backend means one new folder beside `cuda/` and `host/` that
 //! implements this trait; nothing else changes.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-use crate::{AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo, Result};
+use crate::{Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo, Result};
 
 pub trait Backend: Send + Sync + 'static {
     /// An ordered queue of device work.
@@ -67,6 +68,31 @@ pub trait Backend: Send + Sync + 'static {
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()>;
     /// Sets what each listed device may do with a mapped range.
     fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()>;
+    /// What `device` may do with the mapped byte at `va` (`cuMemGetAccess`):
+    /// the driver's own record, for checking what the allocator set.
+    fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access>;
+
+    // ---- sharing physical memory with other processes --------------------
+
+    /// As [`Backend::create_chunk`], for a chunk that can also be exported
+    /// as a POSIX file descriptor (`cuMemCreate` with
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested).
+    fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle>;
+    /// A new descriptor for a shareable chunk, to hand to another process
+    /// (`cuMemExportToShareableHandle`). A chunk not created shareable is an
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument).
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd>;
+    /// Imports a chunk that another process exported
+    /// (`cuMemImportFromShareableHandle`): a handle of this backend, mapped
+    /// and released like any other. `device` and `size` are what the exporter
+    /// says the chunk is. The caller keeps `fd`. A descriptor that is not an
+    /// exported chunk is an error, never memory of the wrong size.
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle>;
 
     // ---- streams and events ----------------------------------------------
 

@@ -6,12 +6,13 @@
 //! b.fail_nth(Call::Map, 3);   // the 4th map from now fails, once
 //! ```
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::{
-    AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus, MemInfo,
-    Result,
+    Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
+    MemInfo, Result,
 };
 
 /// The calls a fault can be injected into.
@@ -24,6 +25,8 @@ pub enum Call {
     Map,
     Unmap,
     SetAccess,
+    ExportChunk,
+    ImportChunk,
     CreateEvent,
     RecordEvent,
     StreamWaitEvent,
@@ -39,6 +42,8 @@ impl Call {
             Call::Map => "map",
             Call::Unmap => "unmap",
             Call::SetAccess => "set_access",
+            Call::ExportChunk => "export_chunk",
+            Call::ImportChunk => "import_chunk",
             Call::CreateEvent => "create_event",
             Call::RecordEvent => "record_event",
             Call::StreamWaitEvent => "stream_wait_event",
@@ -137,6 +142,27 @@ impl<B: Backend> Backend for Faulty<B> {
     fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()> {
         self.enter(Call::SetAccess)?;
         self.inner.set_access(va, size, access)
+    }
+    fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
+        self.inner.get_access(va, device)
+    }
+    /// Fails as [`Call::CreateChunk`]: it is the same driver call.
+    fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        self.enter(Call::CreateChunk)?;
+        self.inner.create_shareable_chunk(device, size)
+    }
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {
+        self.enter(Call::ExportChunk)?;
+        self.inner.export_chunk(chunk)
+    }
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle> {
+        self.enter(Call::ImportChunk)?;
+        self.inner.import_chunk(fd, device, size)
     }
     fn create_stream(&self, device: DeviceId) -> Result<B::Stream> {
         self.inner.create_stream(device)

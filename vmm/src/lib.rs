@@ -6,7 +6,9 @@
 //!   ───┼────────────────────────────────────────────────────────────────
 //!   vmm│
 //!      ├── backend.rs  the trait: devices, VA ranges, chunks, mappings,
-//!      │               streams, events, and a little async work for tests
+//!      │               access (set and query), chunk export / import as
+//!      │               POSIX descriptors, streams, events, and a little
+//!      │               async work for tests
 //!      ├── memory.rs   Reservation / Chunk / Mapping: teardown order by ownership
 //!      ├── cuda/       CUDA driver API through cudarc's sys layer, dlopen'd
 //!      └── host/       the same model on Linux: memfd chunks mmap'd into a

@@ -15,6 +15,7 @@
 //! freed, while a mapping still uses it. Explicit teardown ([`Mapping::unmap`])
 //! reports errors; `Drop` does the same work, logs a failure and never panics.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use crate::error::report_drop_error;
@@ -78,6 +79,39 @@ impl<B: Backend> Chunk<B> {
             device,
             size,
         }))
+    }
+
+    /// A chunk that can be exported to another process ([`Chunk::export`]).
+    pub fn new_shareable(backend: &Arc<B>, device: DeviceId, size: usize) -> Result<Arc<Self>> {
+        let handle = backend.create_shareable_chunk(device, size)?;
+        Ok(Arc::new(Self {
+            backend: Arc::clone(backend),
+            handle,
+            device,
+            size,
+        }))
+    }
+
+    /// A chunk another process exported, from its descriptor (which the
+    /// caller keeps) and what that process says it is.
+    pub fn import(
+        backend: &Arc<B>,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<Arc<Self>> {
+        let handle = backend.import_chunk(fd, device, size)?;
+        Ok(Arc::new(Self {
+            backend: Arc::clone(backend),
+            handle,
+            device,
+            size,
+        }))
+    }
+
+    /// A new descriptor of this (shareable) chunk for another process.
+    pub fn export(&self) -> Result<OwnedFd> {
+        self.backend.export_chunk(self.handle)
     }
 
     pub fn handle(&self) -> ChunkHandle {

@@ -8,8 +8,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use vmm::memory::{Chunk, Mapping, Reservation};
-use vmm::{AccessDesc, Backend, DeviceId, ErrorKind, EventStatus, Result};
+
+use vmm::{Access, AccessDesc, Backend, DeviceId, ErrorKind, EventStatus, Result};
 
 const DEV: DeviceId = DeviceId(0);
 /// Long enough that work queued behind it is still pending when checked.
@@ -361,6 +363,50 @@ pub fn wait_captures_record_at_call_time<B: Backend>(b: &Arc<B>) {
     b.synchronize_event(&e).unwrap();
 }
 
+// ---- access query and shareable chunks ---------------------------------------
+
+pub fn get_access_reports_the_driver_state<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let r = Reservation::new(b, 2 * g, 0).unwrap();
+    let c = Chunk::new(b, DEV, g).unwrap();
+    let m = Mapping::new(&r, 0, &c).unwrap();
+    assert_eq!(b.get_access(m.va(), DEV).unwrap(), Access::None);
+    m.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    assert_eq!(b.get_access(m.va(), DEV).unwrap(), Access::ReadWrite);
+    assert_eq!(
+        b.get_access(m.va().byte_add(g - 4), DEV).unwrap(),
+        Access::ReadWrite
+    );
+    // Not mapped, and no such device.
+    assert_kind(
+        b.get_access(r.base().byte_add(g), DEV),
+        ErrorKind::InvalidArgument,
+    );
+    let missing = DeviceId(b.device_count().unwrap());
+    assert_kind(b.get_access(m.va(), missing), ErrorKind::InvalidDevice);
+}
+
+pub fn only_shareable_chunks_export<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let shareable = Chunk::new_shareable(b, DEV, g).unwrap();
+    let fd = shareable.export().unwrap();
+    let again = shareable.export().unwrap();
+    assert_ne!(
+        fd.as_raw_fd(),
+        again.as_raw_fd(),
+        "each export is a new descriptor"
+    );
+    let plain = Chunk::new(b, DEV, g).unwrap();
+    assert_kind(plain.export(), ErrorKind::InvalidArgument);
+    // A shareable chunk maps and holds data like any other.
+    let r = Reservation::new(b, g, 0).unwrap();
+    let m = Mapping::new(&r, 0, &shareable).unwrap();
+    m.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    let s = b.create_stream(DEV).unwrap();
+    b.fill_u32(&s, m.va(), 16, 0x5a5a).unwrap();
+    assert_eq!(read_u32s(&**b, &s, m.va(), 16), vec![0x5a5a; 16]);
+}
+
 macro_rules! cases {
     ($m:ident, $backend:ident) => {
         $m!(
@@ -383,7 +429,9 @@ macro_rules! cases {
                 event_query,
                 wait_across_streams,
                 chain_of_three_streams,
-                wait_captures_record_at_call_time
+                wait_captures_record_at_call_time,
+                get_access_reports_the_driver_state,
+                only_shareable_chunks_export
             ]
         );
     };
@@ -512,5 +560,89 @@ mod host_faults {
         assert_eq!(b.mem_info(DEV).unwrap().free, (256 << 20) - g);
         b.unmap(r.base(), g).unwrap();
         assert_eq!(b.mem_info(DEV).unwrap().free, 256 << 20);
+    }
+}
+
+// ---- host only: importing chunks into a second backend ("another process") --
+
+mod host_sharing {
+    use super::*;
+
+    /// The exporter's chunk, exported, and a second backend that imports it
+    /// as another process would (it has tables of its own).
+    fn exported(g: usize) -> (Arc<vmm::host::Host>, Arc<Chunk<vmm::host::Host>>, OwnedFd) {
+        let b = open::host();
+        let c = Chunk::new_shareable(&b, DEV, g).unwrap();
+        let fd = c.export().unwrap();
+        (b, c, fd)
+    }
+
+    #[test]
+    fn an_imported_chunk_is_the_same_memory() {
+        let g = 2 << 20;
+        let (a, chunk, fd) = exported(g);
+        let b = open::host();
+        let imported = Chunk::import(&b, fd.as_fd(), DEV, g).unwrap();
+        drop(fd);
+        // Imported memory is the exporter's: it does not count here.
+        assert_eq!(b.mem_info(DEV).unwrap().free, 256 << 20);
+        let (ra, rb) = (
+            Reservation::new(&a, g, 0).unwrap(),
+            Reservation::new(&b, g, 0).unwrap(),
+        );
+        let ma = Mapping::new(&ra, 0, &chunk).unwrap();
+        let mb = Mapping::new(&rb, 0, &imported).unwrap();
+        ma.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+        mb.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+        let (sa, sb) = (a.create_stream(DEV).unwrap(), b.create_stream(DEV).unwrap());
+        a.fill_u32(&sa, ma.va(), 8, 0xE0).unwrap();
+        a.synchronize_stream(&sa).unwrap();
+        assert_eq!(read_u32s(&*b, &sb, mb.va(), 8), vec![0xE0; 8]);
+        b.fill_u32(&sb, mb.va().byte_add(g - 32), 8, 0x1B).unwrap();
+        b.synchronize_stream(&sb).unwrap();
+        assert_eq!(
+            read_u32s(&*a, &sa, ma.va().byte_add(g - 32), 8),
+            vec![0x1B; 8]
+        );
+        // The exporter lets go first; the importer's mapping keeps the memory.
+        drop((ma, chunk, ra));
+        assert_eq!(a.census(), vmm::host::Census::default());
+        assert_eq!(read_u32s(&*b, &sb, mb.va(), 8), vec![0xE0; 8]);
+        drop((mb, imported, rb));
+        assert_eq!(b.census(), vmm::host::Census::default());
+    }
+
+    #[test]
+    fn foreign_descriptors_are_refused() {
+        let g = 2 << 20;
+        let b = open::host();
+        let not_memory: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        assert_kind(
+            b.import_chunk(not_memory.as_fd(), DEV, g),
+            ErrorKind::InvalidArgument,
+        );
+        // A memfd, but not one sealed at its size: it could shrink under a
+        // mapping.
+        let loose = rustix::fs::memfd_create("loose", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&loose, g as u64).unwrap();
+        assert_kind(
+            b.import_chunk(loose.as_fd(), DEV, g),
+            ErrorKind::InvalidArgument,
+        );
+        // A real chunk announced with the wrong size, or for no such device.
+        let (_a, _chunk, fd) = exported(g);
+        assert_kind(
+            b.import_chunk(fd.as_fd(), DEV, 2 * g),
+            ErrorKind::InvalidArgument,
+        );
+        assert_kind(
+            b.import_chunk(fd.as_fd(), DeviceId(7), g),
+            ErrorKind::InvalidDevice,
+        );
+        assert_eq!(b.census(), vmm::host::Census::default());
+        // The refusals did not consume the descriptor.
+        let ok = b.import_chunk(fd.as_fd(), DEV, g).unwrap();
+        b.release_chunk(ok).unwrap();
+        assert_eq!(b.census(), vmm::host::Census::default());
     }
 }

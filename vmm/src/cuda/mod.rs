@@ -40,6 +40,14 @@
 //! unified addressing a stray device address can name host memory).
 //! Validation and the driver call happen under one lock, so two threads
 //! cannot race a check against a release.
+//!
+//! **Sharing.** Shareable chunks are created with the POSIX-descriptor
+//! handle type and exported with `cuMemExportToShareableHandle`; an import
+//! (`cuMemImportFromShareableHandle`) enters the tables like a created
+//! chunk. If the driver answers an import with a handle vmm already holds
+//! (memory of this very process), the import is refused rather than have
+//! two owners release one handle. The driver does not say an imported
+//! allocation's size; a wrong one fails at `cuMemMap`.
 
 mod context;
 pub mod peers;
@@ -47,6 +55,7 @@ mod result;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -72,6 +81,8 @@ pub struct Cuda {
 struct ChunkEntry {
     device: DeviceId,
     size: usize,
+    /// Created with a POSIX-descriptor handle type, or imported: exportable.
+    shareable: bool,
 }
 
 /// What vmm created and has not freed yet.
@@ -409,9 +420,14 @@ impl Backend for Cuda {
         check_size("create_chunk", context.granularity(), size)?;
         let _bound = context.bind()?;
         let handle = result::mem_create(context.ordinal(), size)?;
-        self.tables()
-            .chunks
-            .insert(handle, ChunkEntry { device, size });
+        self.tables().chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                shareable: false,
+            },
+        );
         Ok(ChunkHandle(handle))
     }
 
@@ -526,6 +542,91 @@ impl Backend for Cuda {
         // from queued work is the caller's to avoid (trait contract), and
         // at worst faults the context, not the process.
         unsafe { result::mem_set_access(start, size, &desc) }
+    }
+
+    fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
+        let ordinal = self.device("get_access", device)?.ordinal();
+        let _mapped = self.mapped("get_access", va, 1)?;
+        let _bound = self.first().bind()?;
+        let flags = result::mem_get_access(ordinal, va.0)?;
+        let read = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ as u64;
+        let read_write = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
+        Ok(match flags {
+            f if f == read_write => Access::ReadWrite,
+            f if f == read => Access::Read,
+            _ => Access::None,
+        })
+    }
+
+    fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        let context = self.device("create_shareable_chunk", device)?;
+        check_size("create_shareable_chunk", context.granularity(), size)?;
+        let _bound = context.bind()?;
+        let handle = result::mem_create_shareable(context.ordinal(), size)?;
+        self.tables().chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                shareable: true,
+            },
+        );
+        Ok(ChunkHandle(handle))
+    }
+
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {
+        let tables = self.tables();
+        let entry = match tables.chunks.get(&chunk.0) {
+            Some(entry) if entry.shareable => entry,
+            Some(_) => {
+                return Err(Error::invalid(
+                    "export_chunk",
+                    format!("{chunk:?} was not created shareable"),
+                ))
+            }
+            None => {
+                return Err(Error::invalid(
+                    "export_chunk",
+                    format!("{chunk:?} is not a live chunk"),
+                ))
+            }
+        };
+        let _bound = self.device("export_chunk", entry.device)?.bind()?;
+        // SAFETY: the tables hold the handle, shareable, and the lock keeps
+        // it from being released during the call.
+        unsafe { result::mem_export_to_shareable_handle(chunk.0) }
+    }
+
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle> {
+        let context = self.device("import_chunk", device)?;
+        check_size("import_chunk", context.granularity(), size)?;
+        let _bound = context.bind()?;
+        let handle = result::mem_import_from_shareable_handle(fd)?;
+        let mut tables = self.tables();
+        if tables.chunks.contains_key(&handle) {
+            // The driver gave back a handle vmm already holds (an allocation
+            // of this process imported again): two owners of one handle
+            // would release it twice, so refuse; the driver's reference
+            // stays with the first owner.
+            return Err(Error::invalid(
+                "import_chunk",
+                format!("the descriptor names chunk {handle:#x}, which this process already holds"),
+            ));
+        }
+        tables.chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                shareable: true,
+            },
+        );
+        Ok(ChunkHandle(handle))
     }
 
     fn create_stream(&self, device: DeviceId) -> Result<CudaStream> {

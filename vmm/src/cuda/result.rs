@@ -13,6 +13,7 @@
 //! since a missing library is a panic inside cudarc rather than an error.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -333,6 +334,94 @@ pub(crate) unsafe fn mem_set_access(
     check("cuMemSetAccess", unsafe {
         sys::cuMemSetAccess(va, size, desc.as_ptr(), desc.len())
     })
+}
+
+/// `cuMemCreate` of memory that can also be exported as a POSIX file
+/// descriptor ([`mem_export_to_shareable_handle`]), for sharing with another
+/// process.
+pub(crate) fn mem_create_shareable(
+    ordinal: c_int,
+    size: usize,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let prop = sys::CUmemAllocationProp {
+        requestedHandleTypes:
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        ..pinned_on(ordinal)
+    };
+    let mut handle = 0;
+    // SAFETY: as in `mem_create`; a POSIX descriptor type reads no
+    // Windows-only field.
+    check("cuMemCreate", unsafe {
+        sys::cuMemCreate(&mut handle, size, &prop, 0)
+    })?;
+    Ok(handle)
+}
+
+/// `cuMemExportToShareableHandle` as a POSIX file descriptor, owned by the
+/// caller.
+///
+/// # Safety
+/// 1. `handle` is a live handle from [`mem_create_shareable`] (or imported).
+pub(crate) unsafe fn mem_export_to_shareable_handle(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<OwnedFd> {
+    let mut fd: c_int = -1;
+    // SAFETY: for the POSIX descriptor type the driver writes one `int` to
+    // the first argument, which `fd` is; the caller upholds 1.
+    check("cuMemExportToShareableHandle", unsafe {
+        sys::cuMemExportToShareableHandle(
+            ptr::from_mut(&mut fd).cast::<c_void>(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(Error::rejected(
+            "cuMemExportToShareableHandle",
+            ErrorKind::Other,
+            format!("the driver returned descriptor {fd}"),
+        ));
+    }
+    // SAFETY: on success the driver has opened `fd` for the caller, who is
+    // its only owner from here on.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `cuMemImportFromShareableHandle` of a POSIX file descriptor. The driver
+/// does not take the descriptor over: the caller still owns (and closes) it.
+pub(crate) fn mem_import_from_shareable_handle(
+    fd: BorrowedFd<'_>,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle = 0;
+    // SAFETY: for the POSIX descriptor type the driver reads the descriptor
+    // from the pointer's value (`(void *)(uintptr_t)fd`), which `fd` keeps
+    // open for the call; `handle` is a valid place for the new handle. A
+    // descriptor that is no exported allocation is an error from the driver.
+    check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            fd.as_raw_fd() as usize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    })?;
+    Ok(handle)
+}
+
+/// `cuMemGetAccess`: what the device of ordinal `ordinal` may do at `va`.
+pub(crate) fn mem_get_access(ordinal: c_int, va: sys::CUdeviceptr) -> Result<u64> {
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal,
+    };
+    let mut flags = 0;
+    // SAFETY: `location` is initialised and outlives the call, `flags` is a
+    // valid place for the answer; the driver only reads its tables (an
+    // unmapped address is an error).
+    check("cuMemGetAccess", unsafe {
+        sys::cuMemGetAccess(&mut flags, &location, va)
+    })?;
+    Ok(flags)
 }
 
 // ---- streams and events --------------------------------------------------------

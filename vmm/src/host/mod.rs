@@ -6,6 +6,8 @@
 //!   map          mmap(MAP_SHARED|MAP_FIXED, fd)  [....|chunk|..................]
 //!   set access   mprotect(READ|WRITE)            [....|rw   |..................]
 //!   unmap        mmap(PROT_NONE, MAP_FIXED)      [.............................]
+//!   export       dup the memfd                   (chunks are sealed at their size)
+//!   import       check the seals and size, dup   a chunk like any other
 //! ```
 //!
 //! Chunks are real shared memory, so data written through one mapping of a
@@ -20,12 +22,18 @@
 //! take the write lock, so they never pull memory from under running work.
 //! "Device memory" is the configured size per device; creating a chunk
 //! beyond it fails with [`ErrorKind::OutOfMemory`].
+//!
+//! Every chunk is a memfd, so any chunk could travel to another process;
+//! only those created shareable may be exported, as on CUDA. An importing
+//! process accepts only a memfd sealed against growing and shrinking at the
+//! announced size, so a foreign descriptor is an error and never a mapping
+//! that faults later. Imported chunks do not count as the importer's memory.
 
 mod stream;
 mod sys;
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
@@ -142,6 +150,48 @@ impl Host {
         }
         self.check_granular(call, &[("size", size as u64)])
     }
+
+    /// Creates a chunk (shareable or not) after the checks every creation
+    /// makes.
+    fn create(
+        &self,
+        call: &'static str,
+        device: DeviceId,
+        size: usize,
+        shareable: bool,
+    ) -> Result<ChunkHandle> {
+        self.check_device(call, device)?;
+        self.check_size(call, size)?;
+        let mut tables = self.memory.tables_mut();
+        let used = tables.used[device.0 as usize];
+        if size > self.config.memory_per_device - used {
+            return Err(Error::rejected(
+                call,
+                ErrorKind::OutOfMemory,
+                format!(
+                    "{size} bytes requested, {} of {} free on {device}",
+                    self.config.memory_per_device - used,
+                    self.config.memory_per_device
+                ),
+            ));
+        }
+        let fd = sys::create_memory(size)?;
+        tables.next_chunk += 1;
+        let handle = tables.next_chunk;
+        tables.used[device.0 as usize] += size;
+        tables.chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                fd: Some(Arc::new(fd)),
+                mappings: 0,
+                shareable,
+                imported: false,
+            },
+        );
+        Ok(ChunkHandle(handle))
+    }
 }
 
 struct ChunkEntry {
@@ -151,6 +201,11 @@ struct ChunkEntry {
     /// as used) until its last mapping goes, as with `cuMemRelease`.
     fd: Option<Arc<OwnedFd>>,
     mappings: usize,
+    /// Created shareable or imported: may be exported.
+    shareable: bool,
+    /// Imported from another process: its memory is counted there, as an
+    /// imported CUDA allocation uses no memory of the importer's own.
+    imported: bool,
 }
 
 struct MappingEntry {
@@ -207,7 +262,9 @@ impl Tables {
     fn collect(&mut self, handle: u64) {
         if let Some(c) = self.chunks.get(&handle) {
             if c.fd.is_none() && c.mappings == 0 {
-                self.used[c.device.0 as usize] -= c.size;
+                if !c.imported {
+                    self.used[c.device.0 as usize] -= c.size;
+                }
                 self.chunks.remove(&handle);
             }
         }
@@ -356,35 +413,70 @@ impl Backend for Host {
     }
 
     fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
-        self.check_device("create_chunk", device)?;
-        self.check_size("create_chunk", size)?;
-        let mut tables = self.memory.tables_mut();
-        let used = tables.used[device.0 as usize];
-        if size > self.config.memory_per_device - used {
-            return Err(Error::rejected(
-                "create_chunk",
-                ErrorKind::OutOfMemory,
-                format!(
-                    "{size} bytes requested, {} of {} free on {device}",
-                    self.config.memory_per_device - used,
-                    self.config.memory_per_device
-                ),
-            ));
+        self.create("create_chunk", device, size, false)
+    }
+
+    fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
+        self.create("create_shareable_chunk", device, size, true)
+    }
+
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {
+        let tables = self.memory.tables();
+        match tables.chunks.get(&chunk.0) {
+            Some(ChunkEntry {
+                fd: Some(fd),
+                shareable: true,
+                ..
+            }) => fd.try_clone().map_err(|e| {
+                Error::rejected("export_chunk", ErrorKind::Other, format!("dup: {e}"))
+            }),
+            Some(ChunkEntry { fd: Some(_), .. }) => Err(Error::invalid(
+                "export_chunk",
+                format!("{chunk:?} was not created shareable"),
+            )),
+            _ => Err(Error::invalid(
+                "export_chunk",
+                format!("{chunk:?} is not a live chunk"),
+            )),
         }
-        let fd = sys::create_memory(size)?;
+    }
+
+    fn import_chunk(
+        &self,
+        fd: BorrowedFd<'_>,
+        device: DeviceId,
+        size: usize,
+    ) -> Result<ChunkHandle> {
+        self.check_device("import_chunk", device)?;
+        self.check_size("import_chunk", size)?;
+        sys::check_chunk_fd(fd, size)?;
+        let owned = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::rejected("import_chunk", ErrorKind::Other, format!("dup: {e}")))?;
+        let mut tables = self.memory.tables_mut();
         tables.next_chunk += 1;
         let handle = tables.next_chunk;
-        tables.used[device.0 as usize] += size;
         tables.chunks.insert(
             handle,
             ChunkEntry {
                 device,
                 size,
-                fd: Some(Arc::new(fd)),
+                fd: Some(Arc::new(owned)),
                 mappings: 0,
+                shareable: true,
+                imported: true,
             },
         );
         Ok(ChunkHandle(handle))
+    }
+
+    fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
+        self.check_device("get_access", device)?;
+        let tables = self.memory.tables();
+        match tables.covering(va.0, 1).as_deref() {
+            Some([(_, m)]) => Ok(m.access.get(&device).copied().unwrap_or(Access::None)),
+            _ => Err(Error::invalid("get_access", format!("{va} is not mapped"))),
+        }
     }
 
     fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {

@@ -3,9 +3,9 @@
 //! Address ranges here are raw `usize`s: the backend's tables (in `mod.rs`)
 //! decide which ranges are ours to change, these functions only change them.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use rustix::fs::MemfdFlags;
+use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 use crate::{Access, Error, ErrorKind, Result};
@@ -60,12 +60,41 @@ pub(super) fn release_range(start: usize, size: usize) -> Result<()> {
     unsafe { rustix::mm::munmap(start as *mut _, size) }.map_err(|e| os_error("munmap", e))
 }
 
-/// A chunk of "physical" memory: a memfd of `size` bytes.
+/// A chunk of "physical" memory: a memfd of `size` bytes, sealed at that
+/// size so that a process that imports it can trust its size (a file that
+/// shrank under a mapping would fault on access).
 pub(super) fn create_memory(size: usize) -> Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create("vmm-chunk", MemfdFlags::CLOEXEC)
+    let fd = rustix::fs::memfd_create("vmm-chunk", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
         .map_err(|e| os_error("memfd_create", e))?;
     rustix::fs::ftruncate(&fd, size as u64).map_err(|e| os_error("ftruncate", e))?;
+    rustix::fs::fcntl_add_seals(&fd, CHUNK_SEALS).map_err(|e| os_error("fcntl", e))?;
     Ok(fd)
+}
+
+const CHUNK_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Checks that `fd` is a chunk made by [`create_memory`] (in any process)
+/// of `size` bytes: a memfd sealed at its size.
+pub(super) fn check_chunk_fd(fd: BorrowedFd<'_>, size: usize) -> Result<()> {
+    let foreign = |why: String| Error::invalid("import_chunk", why);
+    let seals = rustix::fs::fcntl_get_seals(fd)
+        .map_err(|e| foreign(format!("the descriptor is not a chunk ({e})")))?;
+    if !seals.contains(CHUNK_SEALS) {
+        return Err(foreign(format!(
+            "the descriptor is not a sealed chunk (seals {seals:?})"
+        )));
+    }
+    let actual = rustix::fs::fstat(fd)
+        .map_err(|e| os_error("fstat", e))?
+        .st_size;
+    if actual != size as i64 {
+        return Err(foreign(format!(
+            "the chunk has {actual} bytes, not the {size} announced"
+        )));
+    }
+    Ok(())
 }
 
 /// Maps the `size`-byte file `fd` at `start`, with no access yet.
