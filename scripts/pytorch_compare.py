@@ -17,7 +17,7 @@ downloaded. Every run uses the same seed and the same sequence of shapes,
 so the per-step losses (or generated tokens) must match native's.
 
     python3 scripts/pytorch_compare.py [--steps N] [--workloads a,b] [--allocators a,b]
-                                       [--json OUT.json]
+                                       [--json OUT.json] [--record DIR]
 
 Needs a GPU, PyTorch, transformers and torchvision (the GPU machine has
 them), and libvmpool_c.so (see vmpool_torch.library_path). Exits non-zero
@@ -193,6 +193,9 @@ def run_child(workload, allocator, args):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env["PYTHONUNBUFFERED"] = "1"
+    if args.record and allocator == "vmpool":
+        Path(args.record).mkdir(parents=True, exist_ok=True)
+        env["VMPOOL_RECORD"] = str(Path(args.record) / workload)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--workload", workload,
            "--allocator", allocator, "--steps", str(args.steps), "--seed", str(args.seed)]
     started = time.perf_counter()
@@ -226,6 +229,8 @@ def main():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
     p.add_argument("--json", help="write all results here")
+    p.add_argument("--record", metavar="DIR", help="vmpool runs write their allocation traces here "
+                   "(VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay")
     args = p.parse_args()
     if args.child:
         return child(args)
