@@ -428,12 +428,15 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
             break;
         }
     }
-    if !leases.is_empty() {
-        tracing::debug!(
-            leases = leases.len(),
-            "an importing process went away: its leases end"
-        );
+    if leases.is_empty() {
+        // Nothing to end: do not touch the pool, which this thread would
+        // otherwise keep alive, for a moment, past its owner's last drop.
+        return;
     }
+    tracing::debug!(
+        leases = leases.len(),
+        "an importing process went away: its leases end"
+    );
     if let Some(shared) = pool.upgrade() {
         let pool = Pool::from_shared(shared);
         for ptr in leases.into_values() {

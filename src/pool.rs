@@ -195,6 +195,9 @@ pub struct PoolStats {
     pub largest_free_range: u64,
     /// Freed in stream order, waiting for their stream to pass the free.
     pub pending_bytes: u64,
+    /// Old places of units moved while their stream could still use them:
+    /// mapped (to the same memory as the new place) until it passes.
+    pub aliased_bytes: u64,
 }
 
 /// A picture of a pool's address space: for a debug dump (its `Display`
@@ -348,6 +351,17 @@ pub const SMALL_LIMIT: u64 = 1 << 20;
 /// A unit with no live byte: (address, size, the free heap block holding it).
 type FreeUnit = (u64, u64, BlockId);
 
+/// Chunks gathered for a growth, in order, each with the guard it was
+/// under at its old place (see [`MovedUnit`]).
+type Gathered<B> = (Vec<Arc<Chunk<B>>>, Vec<Under>);
+
+/// The guard (stream, position) a moved unit was under at its old place,
+/// if its old mapping stays as an [`Alias`].
+type Under = Option<(u64, u64)>;
+
+/// A unit taken out of its place: (old address, chunk, guard it was under).
+type MovedUnit<B> = (u64, Arc<Chunk<B>>, Under);
+
 /// One part of the reservation, with its own heap of mapped free space.
 struct Arena {
     heap: Heap,
@@ -381,6 +395,19 @@ struct Guard {
     seq: u64,
 }
 
+/// A unit moved away while its stream may still use it at its old address:
+/// its chunk is mapped at the new place as well (a chunk may have several
+/// mappings), and this old mapping goes once the stream passes `seq`. Its
+/// address range is out of the heap until then. This is how the pool
+/// defragments under a stream that runs behind: the memory moves at once,
+/// without waiting, and the stream's later work, which is ordered after its
+/// earlier work, uses the new address.
+struct Alias<B: Backend> {
+    mapping: Mapping<B>,
+    stream: u64,
+    seq: u64,
+}
+
 struct Inner<B: Backend> {
     /// Small, then large.
     arenas: [Arena; 2],
@@ -408,6 +435,8 @@ struct Inner<B: Backend> {
     idle_events: Vec<B::Event>,
     /// Guarded free ranges, by start.
     guards: BTreeMap<u64, Guard>,
+    /// Old mappings of moved units, by address.
+    aliases: BTreeMap<u64, Alias<B>>,
     /// What each device may do with the pool's memory
     /// (`cudaMemPoolSetAccess`): the owner's read-write first, then peers.
     /// Every mapping made gets it; [`Pool::set_access`] applies a change to
@@ -544,6 +573,7 @@ impl<B: Backend> Pool<B> {
                 streams: FxHashMap::default(),
                 idle_events: Vec::new(),
                 guards: BTreeMap::new(),
+                aliases: BTreeMap::new(),
                 access: vec![AccessDesc::read_write(device)],
             }),
             siblings: Arc::downgrade(siblings),
@@ -959,6 +989,11 @@ impl<B: Backend> Pool<B> {
                 .max()
                 .unwrap_or(0),
             pending_bytes,
+            aliased_bytes: inner
+                .aliases
+                .values()
+                .map(|a| a.mapping.size() as u64)
+                .sum(),
             ..stats
         }
     }
@@ -1105,7 +1140,7 @@ impl<B: Backend> Inner<B> {
         }
         loop {
             let started = std::time::Instant::now();
-            let grown = self.grow(space, arena, size);
+            let grown = self.grow(space, arena, size, stream.map(|s| s.id));
             self.stats.grow_nanos += started.elapsed().as_nanos() as u64;
             let (arena, (addr, id)) = match grown {
                 Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
@@ -1197,16 +1232,24 @@ impl<B: Backend> Inner<B> {
                 self.stats.waits_inserted += 1;
             }
         }
-        for (start, g) in self.guards_in(addr, end) {
-            self.guards.remove(&start);
-            if start < addr {
-                self.guards.insert(start, Guard { end: addr, ..g });
+        self.take_guards(addr, end);
+        Ok(true)
+    }
+
+    /// Removes the guards' coverage of `[start, end)`, keeping what lies
+    /// outside; returns the guards that covered part of it.
+    fn take_guards(&mut self, start: u64, end: u64) -> Vec<Guard> {
+        let found = self.guards_in(start, end);
+        for &(at, g) in &found {
+            self.guards.remove(&at);
+            if at < start {
+                self.guards.insert(at, Guard { end: start, ..g });
             }
             if g.end > end {
                 self.guards.insert(end, g);
             }
         }
-        Ok(true)
+        found.into_iter().map(|(_, g)| g).collect()
     }
 
     /// The guards overlapping `[start, end)`.
@@ -1400,7 +1443,22 @@ impl<B: Backend> Inner<B> {
             return;
         }
         self.guards.retain(|_, g| g.stream != id || g.seq > upto);
-        let guarded = self.guards.values().any(|g| g.stream == id);
+        let passed: Vec<u64> = self
+            .aliases
+            .iter()
+            .filter(|(_, a)| a.stream == id && a.seq <= upto)
+            .map(|(&va, _)| va)
+            .collect();
+        for va in passed {
+            let alias = self.aliases.remove(&va).expect("listed above");
+            tracing::debug!(
+                va = format_args!("{va:#x}"),
+                "unmapping the old place of a moved unit"
+            );
+            self.retire(alias.mapping);
+        }
+        let guarded = self.guards.values().any(|g| g.stream == id)
+            || self.aliases.values().any(|a| a.stream == id);
         let reg = self.streams.get_mut(&id).expect("checked");
         let (released, now_empty) = {
             let mut st = reg.stream.state();
@@ -1505,10 +1563,16 @@ impl<B: Backend> Inner<B> {
     /// and returns it. On failure the tables are consistent and every chunk
     /// is still accounted for (mapped, spare or released).
     #[cold]
-    fn grow(&mut self, space: &Space<B>, arena: usize, size: u64) -> Result<BlockId> {
+    fn grow(
+        &mut self,
+        space: &Space<B>,
+        arena: usize,
+        size: u64,
+        stream: Option<u64>,
+    ) -> Result<BlockId> {
         // Without defragmentation, nothing unused is moved: new memory only.
         let free = if space.defragment {
-            self.free_units()
+            self.free_units(stream)
         } else {
             Vec::new()
         };
@@ -1521,12 +1585,24 @@ impl<B: Backend> Inner<B> {
             extends = plan.target.extends
         );
         let _enter = span.enter();
-        let chunks = self.gather(space, &plan.sources, &free)?;
+        let (chunks, moved_under) = self.gather(space, &plan.sources, &free)?;
+        let sizes: Vec<u64> = chunks.iter().map(|c| c.size() as u64).collect();
         self.map_at(space, plan.target.start, chunks)?;
         self.stats.grows += 1;
-        Ok(self.arenas[arena]
+        let block = self.arenas[arena]
             .heap
-            .insert_free(plan.target.start, plan.len()))
+            .insert_free(plan.target.start, plan.len());
+        // A unit moved from under its stream's queued work carries that
+        // stream's guard to its new place: the same memory.
+        let mut at = plan.target.start;
+        for (size, under) in sizes.into_iter().zip(moved_under) {
+            if let Some((stream, seq)) = under {
+                let end = at + size;
+                self.guards.insert(at, Guard { end, stream, seq });
+            }
+            at += size;
+        }
+        Ok(block)
     }
 
     /// `free`: the free units growth may move (see [`Inner::free_units`]).
@@ -1537,11 +1613,21 @@ impl<B: Backend> Inner<B> {
             end,
             chunk_size,
         } = &self.arenas[arena];
+        // Address ranges in use: units, and old places of moved units.
+        let mut occupied: Vec<(u64, u64)> = self
+            .units
+            .range(start..end)
+            .map(|(&va, m)| (va, m.size() as u64))
+            .chain(
+                self.aliases
+                    .range(start..end)
+                    .map(|(&va, a)| (va, a.mapping.size() as u64)),
+            )
+            .collect();
+        occupied.sort_unstable();
         let next_unit_after = |at: u64| {
-            self.units
-                .range(at..*end)
-                .next()
-                .map_or(*end, |(&va, _)| va)
+            let i = occupied.partition_point(|&(va, _)| va < at);
+            occupied.get(i).map_or(*end, |&(va, _)| va)
         };
         let mut tails: Vec<(u64, u64, u64)> = heap
             .free_region_tails()
@@ -1551,11 +1637,11 @@ impl<B: Backend> Inner<B> {
         tails.sort_unstable();
         let mut prev_end = *start;
         let mut gaps: Vec<(u64, u64)> = Vec::new();
-        for (&va, m) in self.units.range(start..end) {
+        for &(va, size) in &occupied {
             if va > prev_end {
                 gaps.push((prev_end, va - prev_end));
             }
-            prev_end = va + m.size() as u64;
+            prev_end = va + size;
         }
         gaps.push((prev_end, end - prev_end));
         let spares: Vec<u64> = if space.defragment {
@@ -1578,15 +1664,24 @@ impl<B: Backend> Inner<B> {
         })
     }
 
-    /// Units with no live byte, in both arenas, that no stream may still
-    /// touch (no guard on them): those that can be unmapped.
-    fn free_units(&self) -> Vec<FreeUnit> {
+    /// Units with no live byte, in both arenas, that can move or go: no
+    /// stream may still touch them (no guard on them), except `mover`, for
+    /// which a unit under its own guards moves and leaves an [`Alias`]
+    /// behind; and their chunk has no other mapping.
+    fn free_units(&self, mover: Option<u64>) -> Vec<FreeUnit> {
         let mut found = Vec::new();
         for arena in &self.arenas {
             arena.heap.for_each_free(|addr, len, block| {
                 for (&va, m) in self.units.range(addr..addr + len) {
                     let end = va + m.size() as u64;
-                    if end <= addr + len && self.guards_in(va, end).is_empty() {
+                    let movable = || {
+                        Arc::strong_count(m.chunk()) == 1
+                            && self
+                                .guards_in(va, end)
+                                .iter()
+                                .all(|(_, g)| Some(g.stream) == mover)
+                    };
+                    if end <= addr + len && movable() {
                         found.push((va, m.size() as u64, block));
                     }
                 }
@@ -1602,30 +1697,63 @@ impl<B: Backend> Inner<B> {
 
     /// Takes free units (as [`Inner::free_units`] lists them) out of the
     /// heap and unmaps them, right to left so that each free block's id
-    /// stays valid for the units left of it. Returns their chunks by the
-    /// address they had. A unit that fails to unmap goes back in the heap;
-    /// the chunks unmapped before it are spare.
-    fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<(u64, Arc<Chunk<B>>)>> {
+    /// stays valid for the units left of it. A unit under guards (of the
+    /// stream that moves it) is not unmapped but kept as an [`Alias`].
+    /// Returns their chunks by the address they had, each with the guard
+    /// (stream, position) it was under. A unit that fails to unmap goes
+    /// back in the heap; the chunks unmapped before it are spare.
+    fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<MovedUnit<B>>> {
         units.sort_by_key(|&(va, _, _)| std::cmp::Reverse(va));
-        let mut chunks = Vec::new();
+        let mut chunks: Vec<MovedUnit<B>> = Vec::new();
         for (va, len, block) in units {
             self.heap_of(va).take(block, va, len);
             let mapping = self.units.remove(&va).expect("a free unit is mapped");
+            let guards = self.take_guards(va, va + len);
+            if let Some(&first) = guards.first() {
+                let seq = guards.iter().map(|g| g.seq).max().expect("not empty");
+                let chunk = Arc::clone(mapping.chunk());
+                tracing::debug!(
+                    va = format_args!("{va:#x}"),
+                    len,
+                    stream = first.stream,
+                    "moving a unit its stream may still use: the old mapping stays until it passes"
+                );
+                self.aliases.insert(
+                    va,
+                    Alias {
+                        mapping,
+                        stream: first.stream,
+                        seq,
+                    },
+                );
+                chunks.push((va, chunk, Some((first.stream, seq))));
+                continue;
+            }
             match mapping.unmap() {
                 Ok(chunk) => {
                     self.stats.unmaps += 1;
                     tracing::debug!(va = format_args!("{va:#x}"), len, "unmapped unit");
-                    chunks.push((va, chunk));
+                    chunks.push((va, chunk, None));
                 }
                 Err((err, mapping)) => {
                     self.units.insert(va, mapping);
                     self.heap_of(va).insert_free(va, len);
-                    self.spares.extend(chunks.into_iter().map(|(_, c)| c));
+                    for (_, chunk, _) in chunks {
+                        self.keep_spare(chunk);
+                    }
                     return Err(err.into());
                 }
             }
         }
         Ok(chunks)
+    }
+
+    /// Keeps an unused chunk for later, unless an [`Alias`] still maps it:
+    /// then the alias hands it over when it goes.
+    fn keep_spare(&mut self, chunk: Arc<Chunk<B>>) {
+        if Arc::strong_count(&chunk) == 1 {
+            self.spares.push(chunk);
+        }
     }
 
     /// Collects the chunks a plan names, in its order. On failure the chunks
@@ -1636,7 +1764,7 @@ impl<B: Backend> Inner<B> {
         space: &Space<B>,
         sources: &[Source],
         free: &[FreeUnit],
-    ) -> Result<Vec<Arc<Chunk<B>>>> {
+    ) -> Result<Gathered<B>> {
         let moving: HashSet<u64> = sources
             .iter()
             .filter_map(|s| match *s {
@@ -1649,12 +1777,18 @@ impl<B: Backend> Inner<B> {
             .filter(|(va, _, _)| moving.contains(va))
             .copied()
             .collect();
-        let mut moved: HashMap<u64, Arc<Chunk<B>>> = self.unmap_units(units)?.into_iter().collect();
+        let mut moved: HashMap<u64, (Arc<Chunk<B>>, Under)> = self
+            .unmap_units(units)?
+            .into_iter()
+            .map(|(va, chunk, under)| (va, (chunk, under)))
+            .collect();
         let mut spares: Vec<Option<Arc<Chunk<B>>>> = self.spares.drain(..).map(Some).collect();
         let mut chunks = Vec::new();
+        let mut under = Vec::new();
         let mut created = Vec::new();
         let mut failure = None;
         for source in sources {
+            let mut was_under = None;
             let chunk = match *source {
                 Source::Spare { index, .. } => spares[index].take(),
                 Source::Unit { va, size } => {
@@ -1665,7 +1799,10 @@ impl<B: Backend> Inner<B> {
                         size,
                         "remapping a free unit"
                     );
-                    moved.remove(&va)
+                    moved.remove(&va).map(|(chunk, u)| {
+                        was_under = u;
+                        chunk
+                    })
                 }
                 Source::New { size } => match self.create_chunk(space, size) {
                     Ok(chunk) => {
@@ -1679,6 +1816,7 @@ impl<B: Backend> Inner<B> {
                 },
             };
             chunks.push(chunk.expect("every planned chunk was gathered"));
+            under.push(was_under);
         }
         self.spares.extend(spares.into_iter().flatten());
         match failure {
@@ -1687,12 +1825,12 @@ impl<B: Backend> Inner<B> {
                     if created.contains(&chunk.handle()) {
                         self.release(chunk);
                     } else {
-                        self.spares.push(chunk);
+                        self.keep_spare(chunk);
                     }
                 }
                 Err(err)
             }
-            None => Ok(chunks),
+            None => Ok((chunks, under)),
         }
     }
 
@@ -1733,7 +1871,9 @@ impl<B: Backend> Inner<B> {
                     at += size;
                 }
                 Err(err) => {
-                    self.spares.extend(chunks);
+                    for chunk in chunks {
+                        self.keep_spare(chunk);
+                    }
                     for va in done {
                         let mapping = self.units.remove(&va).expect("mapped above");
                         self.retire(mapping);
@@ -1751,7 +1891,7 @@ impl<B: Backend> Inner<B> {
         let mapping = match Mapping::new(&space.reservation, (at - space.base()) as usize, &chunk) {
             Ok(mapping) => mapping,
             Err(err) => {
-                self.spares.push(chunk);
+                self.keep_spare(chunk);
                 return Err(err.into());
             }
         };
@@ -1776,7 +1916,7 @@ impl<B: Backend> Inner<B> {
         match mapping.unmap() {
             Ok(chunk) => {
                 self.stats.unmaps += 1;
-                self.spares.push(chunk);
+                self.keep_spare(chunk);
             }
             Err((err, mapping)) => {
                 tracing::warn!(%err, va = %mapping.va(), "could not unmap; mapping taken out of service");
@@ -1797,7 +1937,7 @@ impl<B: Backend> Inner<B> {
             .spares
             .iter()
             .map(|c| (c.size() as u64, None))
-            .chain(self.free_units().into_iter().map(|u| (u.1, Some(u))))
+            .chain(self.free_units(None).into_iter().map(|u| (u.1, Some(u))))
             .collect();
         candidates.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
         let mut after = self.reserved;
@@ -1819,7 +1959,7 @@ impl<B: Backend> Inner<B> {
         for chunk in going {
             self.release(chunk);
         }
-        for (_, chunk) in self.unmap_units(units)? {
+        for (_, chunk, _) in self.unmap_units(units)? {
             self.release(chunk);
         }
         Ok(())
@@ -1865,6 +2005,26 @@ impl<B: Backend> Inner<B> {
         }
         for m in &self.quarantine {
             hold(m.chunk(), &mut problems);
+        }
+        // An alias's chunk is usually mapped at its new place too.
+        for (&va, a) in &self.aliases {
+            let c = a.mapping.chunk();
+            chunks.entry(c.handle()).or_insert(c.size() as u64);
+            let end = va + a.mapping.size() as u64;
+            if self
+                .units
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&u, m)| u + m.size() as u64 > va)
+            {
+                problems.push(format!("alias at {va:#x} overlaps a unit"));
+            }
+            if !self.streams.contains_key(&a.stream) {
+                problems.push(format!(
+                    "alias at {va:#x}: stream {} not registered",
+                    a.stream
+                ));
+            }
         }
         let reserved: u64 = chunks.values().sum();
         if reserved != self.reserved {

@@ -171,6 +171,64 @@ pub fn own_frees_are_reused_at_any_size<B: Backend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// Defragmenting under a stream that runs behind: the free chunks under
+/// its own frees move to build a larger range at once, without new memory
+/// and without waiting; their old places stay mapped until it passes them.
+pub fn own_frees_move_before_the_stream_passes<B: Backend>(b: &Arc<B>) {
+    let (ctx, _) = setup(b, ALL_OFF);
+    let pool = ctx
+        .create_pool(&PoolProps {
+            chunk_size: Some(2 * MIB),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    // Four units of 2 MiB in a row, then a, b, c, d over them.
+    let sizes = [4 * MIB, 2 * MIB, 4 * MIB, 2 * MIB];
+    let mut blocks: Vec<Allocation> = sizes
+        .iter()
+        .map(|&size| pool.allocate_async(size, &s).unwrap())
+        .collect();
+    b.delay(s.raw(), LATE).unwrap();
+    for (i, a) in blocks.iter().enumerate() {
+        fill(&**b, &s, a, 0x10 + i as u32);
+    }
+    let d = blocks.pop().unwrap();
+    let c = blocks.pop().unwrap();
+    let bb = blocks.pop().unwrap();
+    let a = blocks.pop().unwrap();
+    pool.free_async(a, &s).unwrap();
+    pool.free_async(c, &s).unwrap();
+    let before = pool.stats();
+    // 8 MiB: no free range is that large; the four free units move.
+    let big = pool.allocate_async(8 * MIB, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.chunks_created, before.chunks_created, "no new memory");
+    assert_eq!(st.remaps, before.remaps + 4);
+    assert_eq!(st.aliased_bytes, 8 * MIB, "old places still mapped");
+    assert_eq!(st.reserved_bytes, before.reserved_bytes);
+    pool.audit().unwrap();
+    // In stream order, after the late fills of a and c through their old
+    // addresses.
+    fill(&**b, &s, &big, 0xB16);
+    assert_holds(&**b, &s, &big, 0xB16);
+    assert_holds(&**b, &s, &bb, 0x11);
+    assert_holds(&**b, &s, &d, 0x13);
+    ctx.synchronize_stream(&s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 0, "unmapped once passed");
+    pool.audit().unwrap();
+    for x in [big, bb, d] {
+        pool.free_async(x, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!(
+        (st.reserved_bytes, st.mapped_bytes, st.spare_bytes),
+        (0, 0, 0)
+    );
+}
+
 pub fn cross_stream_race_with_switches_on<B: Backend>(b: &Arc<B>) {
     let (same, stats) = race(b, ALL_ON);
     // Either other memory, or the same memory after a wait for A's free.
@@ -381,6 +439,7 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
 suites!(
     same_stream_reuse_without_synchronization,
     own_frees_are_reused_at_any_size,
+    own_frees_move_before_the_stream_passes,
     cross_stream_race_with_switches_on,
     cross_stream_race_with_switches_off,
     internal_dependency_reuses_instead_of_growing,
