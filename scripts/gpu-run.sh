@@ -94,6 +94,7 @@ for job in $jobs; do
     multi)
         nvidia-smi topo -m 2>/dev/null | sed 's/^/topology: /' | tee -a "$log"
         run "test peer_access (two GPUs)" "$here/tests/peer_access" --include-ignored --test-threads=1
+        run "test misuse (two GPUs)" "$here/tests/misuse" --include-ignored --test-threads=1
         run "test ipc (two processes)" "$here/tests/ipc" --test-threads=1
         run "example peer_access" "$here/examples/peer_access" --backend cuda
         run "example ipc" "$here/examples/ipc" --backend cuda

@@ -14,6 +14,7 @@ The statistics part needs only ctypes, so it also works (and is tested)
 without PyTorch, on the host backend (VMPOOL_BACKEND=host).
 """
 
+import atexit
 import ctypes
 import os
 from pathlib import Path
@@ -77,6 +78,11 @@ def library():
         lib.vmpool_trim.argtypes = [ctypes.c_int, ctypes.c_uint64]
         lib.vmpool_backend.restype = ctypes.c_char_p
         lib.vmpool_backend.argtypes = []
+        lib.vmpool_flush_traces.restype = ctypes.c_int
+        lib.vmpool_flush_traces.argtypes = []
+        # The pools are never dropped: recorded traces (VMPOOL_RECORD) are
+        # written out at exit.
+        atexit.register(lib.vmpool_flush_traces)
         _lib = lib
     return _lib
 

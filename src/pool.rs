@@ -840,6 +840,16 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// Writes out what the pool has recorded so far (see
+    /// [`PoolProps::record`]); a pool that is never dropped, such as one of
+    /// the C library's, must be flushed before the process exits.
+    pub fn flush_trace(&self) -> std::io::Result<()> {
+        match &self.0.recorder {
+            Some(r) => lock(r).out.flush(),
+            None => Ok(()),
+        }
+    }
+
     fn record_free(&self, allocation: &Allocation, stream: u64) {
         if let Some(r) = &self.0.recorder {
             lock(r).line(format_args!("f {} {stream}\n", allocation.trace_id));
@@ -1855,59 +1865,61 @@ impl<B: Backend> Inner<B> {
         Ok(chunk)
     }
 
-    /// Maps `chunks` side by side from `start`, each as one unit with access
-    /// for the pool's device. On failure, what this call mapped is unmapped
-    /// again and every chunk is spare.
+    /// Maps `chunks` side by side from `start`, each as one unit, then gives
+    /// the whole range the pool's access in one driver call: set-access
+    /// costs about as much for one chunk as for many (MEASURED.md,
+    /// docs/RESULTS.md), so a growth or move of n chunks pays it once. On
+    /// failure, what this call mapped is unmapped again and every chunk is
+    /// spare.
     fn map_at(&mut self, space: &Space<B>, start: u64, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
         let mut at = start;
         let mut done: Vec<u64> = Vec::new();
         let mut chunks = chunks.into_iter();
+        let mut failure = None;
         while let Some(chunk) = chunks.next() {
             let size = chunk.size() as u64;
-            match self.map_one(space, at, chunk) {
+            match Mapping::new(&space.reservation, (at - space.base()) as usize, &chunk) {
                 Ok(mapping) => {
+                    self.stats.maps += 1;
+                    tracing::debug!(
+                        va = format_args!("{at:#x}"),
+                        len = size,
+                        handle = chunk.handle().0,
+                        "mapped unit"
+                    );
                     self.units.insert(at, mapping);
                     done.push(at);
                     at += size;
                 }
                 Err(err) => {
-                    for chunk in chunks {
+                    self.keep_spare(chunk);
+                    for chunk in chunks.by_ref() {
                         self.keep_spare(chunk);
                     }
-                    for va in done {
-                        let mapping = self.units.remove(&va).expect("mapped above");
-                        self.retire(mapping);
-                    }
-                    return Err(err);
+                    failure = Some(err.into());
                 }
             }
         }
-        Ok(())
-    }
-
-    /// Maps one chunk with access at `at`. On failure the chunk is spare
-    /// (or quarantined with its mapping, if that would not unmap).
-    fn map_one(&mut self, space: &Space<B>, at: u64, chunk: Arc<Chunk<B>>) -> Result<Mapping<B>> {
-        let mapping = match Mapping::new(&space.reservation, (at - space.base()) as usize, &chunk) {
-            Ok(mapping) => mapping,
-            Err(err) => {
-                self.keep_spare(chunk);
-                return Err(err.into());
+        if failure.is_none() && at > start {
+            let access = self.mapping_access();
+            if let Err(err) =
+                space
+                    .backend
+                    .set_access(DevicePtr(start), (at - start) as usize, &access)
+            {
+                failure = Some(err.into());
             }
-        };
-        self.stats.maps += 1;
-        if let Err(err) = mapping.set_access(&self.mapping_access()) {
-            drop(chunk);
-            self.retire(mapping);
-            return Err(err.into());
         }
-        tracing::debug!(
-            va = format_args!("{at:#x}"),
-            len = chunk.size(),
-            handle = chunk.handle().0,
-            "mapped unit"
-        );
-        Ok(mapping)
+        match failure {
+            None => Ok(()),
+            Some(err) => {
+                for va in done {
+                    let mapping = self.units.remove(&va).expect("mapped above");
+                    self.retire(mapping);
+                }
+                Err(err)
+            }
+        }
     }
 
     /// Unmaps a mapping that is not (or no longer) in the heap, keeping its

@@ -77,6 +77,10 @@ vmpool_stats_t vmpool_stats(int device);
 /* Writes the pool's address-space map to stderr. 0 / -1. */
 int vmpool_print_snapshot(int device);
 
+/* Writes out the allocation traces being recorded (VMPOOL_RECORD); the
+ * pools live until the process ends, so call it before exiting. 0 / -1. */
+int vmpool_flush_traces(void);
+
 /* "cuda", "host", or "none" when the library could not start. */
 const char *vmpool_backend(void);
 

@@ -260,6 +260,18 @@ pub extern "C" fn vmpool_print_snapshot(device: c_int) -> c_int {
     })
 }
 
+/// Writes out the allocation traces being recorded (`VMPOOL_RECORD`): the
+/// library's pools live until the process ends, so a caller that records
+/// calls this before exiting (vmpool_torch does, at exit). 0 / -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_flush_traces() -> c_int {
+    call(
+        "flush_traces",
+        -1,
+        |g| with_shim!(g, s => s.flush_traces().map(|()| 0)),
+    )
+}
+
 /// The backend in use, so a user sees what was measured: "cuda", "host",
 /// or "none" when the library could not start (the reason is logged).
 #[unsafe(no_mangle)]

@@ -143,6 +143,8 @@ pub enum CallError {
     NotOurs { ptr: u64, device: u32, why: String },
     #[error(transparent)]
     Vmpool(#[from] vmpool::Error),
+    #[error("writing the allocation trace: {0}")]
+    Trace(std::io::Error),
 }
 
 /// How the C layer turns a caller's stream handle into a backend stream:
@@ -382,6 +384,16 @@ impl<B: Backend> Shim<B> {
                 ..Figures::default()
             },
         })
+    }
+
+    /// Writes out the allocation traces being recorded (`VMPOOL_RECORD`).
+    pub fn flush_traces(&self) -> Result<(), CallError> {
+        for dev in &self.devices {
+            if let Some(pool) = dev.pool.get() {
+                pool.flush_trace().map_err(CallError::Trace)?;
+            }
+        }
+        Ok(())
     }
 
     /// The pool's address-space dump (`Pool::snapshot`), if it exists.

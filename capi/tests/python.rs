@@ -44,6 +44,7 @@ print("ok")
 
 #[test]
 fn ctypes_helper_on_the_host_backend() {
+    let record = std::env::temp_dir().join(format!("vmpool-python-{}", std::process::id()));
     let out = Command::new("python3")
         .arg("-c")
         .arg(SCRIPT)
@@ -53,10 +54,17 @@ fn ctypes_helper_on_the_host_backend() {
         )
         .env("VMPOOL_LIB", library())
         .env("VMPOOL_BACKEND", "host")
+        .env("VMPOOL_RECORD", &record)
         .output()
         .expect("python3 runs (CI machines have it)");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python failed:\n{stderr}");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
     assert!(stderr.contains("points inside the allocation"), "{stderr}");
+    // The pool is never dropped; its trace was written out at exit.
+    let path = format!("{}.1.trace", record.display());
+    let trace = std::fs::read_to_string(&path).expect("the pool recorded its trace");
+    std::fs::remove_file(&path).unwrap();
+    let ops: Vec<&str> = trace.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(ops, ["a 1 3145728 1", "f 1 1"], "{trace}");
 }
