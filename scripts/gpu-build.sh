@@ -51,6 +51,10 @@ cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare
 # The shared traces, for the replay job.
 cp ../shared/traces/*.trace.gz "$bundle/traces/"
 
+# The device tool carries at most 64 MiB: symbols go (panics still print
+# messages and locations, not function names).
+strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* "$bundle"/torch/libvmpool_c.so
+
 cp scripts/gpu-run.sh "$bundle/"
 {
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"

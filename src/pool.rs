@@ -24,10 +24,18 @@
 //! unit moves only when no live byte is on it, so a pointer never moves.
 //!
 //! Stream-ordered frees do not go back to the heap at once: they wait with
-//! their stream (see `stream.rs`) until a synchronization or a completed
-//! event shows every stream may use them. The heap therefore only ever
-//! holds memory no queued work can touch, which is what makes unmapping,
-//! moving and releasing its chunks safe.
+//! their stream (see `stream.rs`), where the same stream reuses them by
+//! size without the pool's lock, until a synchronization or a completed
+//! event shows every stream may use them. When that stream misses (no
+//! block fits), its own frees are merged into the heap at once, under a
+//! [`Guard`]: free space that stream may take, other streams only once
+//! ordered after it (or made to wait, as the reuse switches allow), and
+//! synchronous allocations only once the free is known complete. Free
+//! space under guards still moves, for the stream that owns the guards:
+//! the chunk is mapped at its new place while the old mapping stays, an
+//! [`Alias`] of the same memory, until the stream passes it (the driver's
+//! unmap is not stream-ordered). Nothing is unmapped or released while
+//! queued work may touch it.
 //!
 //! Physical accounting: a chunk counts as reserved from its creation until
 //! the pool releases it.
@@ -1230,16 +1238,7 @@ impl<B: Backend> Inner<B> {
                 if !self.reuse[2] {
                     return Ok(false);
                 }
-                let event_seq = self.event_after_frees(space, id)?;
-                let reg = &self.streams[&id];
-                let (_, event) = reg
-                    .events
-                    .iter()
-                    .find(|(seq, _)| *seq == event_seq)
-                    .expect("recorded above");
-                space.backend.stream_wait_event(&s.raw, event)?;
-                s.state().clock.advance(id, event_seq);
-                self.stats.waits_inserted += 1;
+                self.wait_for_frees_of(space, s, id)?;
             }
         }
         self.take_guards(addr, end);
@@ -1370,16 +1369,8 @@ impl<B: Backend> Inner<B> {
                 Some((id, near))
             });
             if let Some((id, near)) = candidate {
-                let event_seq = self.event_after_frees(space, id)?;
+                let event_seq = self.wait_for_frees_of(space, stream, id)?;
                 let reg = &self.streams[&id];
-                let (_, event) = reg
-                    .events
-                    .iter()
-                    .find(|(seq, _)| *seq == event_seq)
-                    .expect("recorded above");
-                space.backend.stream_wait_event(&stream.raw, event)?;
-                stream.state().clock.advance(id, event_seq);
-                self.stats.waits_inserted += 1;
                 // The other stream's own hot path may have taken the block
                 // meanwhile; then this is a wait for nothing, and we grow.
                 let taken = reg
@@ -1392,6 +1383,27 @@ impl<B: Backend> Inner<B> {
             }
         }
         Ok(None)
+    }
+
+    /// Makes `stream` wait (on the device) for every free stream `id` has
+    /// made so far (an internal dependency); returns the position of `id`
+    /// it is now ordered after.
+    fn wait_for_frees_of(
+        &mut self,
+        space: &Space<B>,
+        stream: &Arc<StreamShared<B>>,
+        id: u64,
+    ) -> Result<u64> {
+        let event_seq = self.event_after_frees(space, id)?;
+        let (_, event) = self.streams[&id]
+            .events
+            .iter()
+            .find(|(seq, _)| *seq == event_seq)
+            .expect("recorded above");
+        space.backend.stream_wait_event(&stream.raw, event)?;
+        stream.state().clock.advance(id, event_seq);
+        self.stats.waits_inserted += 1;
+        Ok(event_seq)
     }
 
     /// An event on stream `id` that captures all its frees so far; records
