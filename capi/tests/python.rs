@@ -5,15 +5,11 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// target/<profile>/libvmpool_c.so, beside this test's `deps` folder.
+/// The library `cargo test` built beside this test, in target/<profile>/deps
+/// (`cargo build` also copies it up to target/<profile>).
 fn library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let lib = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("libvmpool_c.so");
+    let lib = exe.parent().unwrap().join("libvmpool_c.so");
     assert!(lib.is_file(), "{} was not built", lib.display());
     lib
 }
