@@ -484,6 +484,17 @@ cases!(suite, cuda);
 mod host_faults {
     use super::*;
 
+    /// The census counts live events, so that tests can tell a pool that
+    /// leaks them.
+    #[test]
+    fn census_counts_events() {
+        let b = open::host();
+        let events: Vec<_> = (0..3).map(|_| b.create_event(DEV).unwrap()).collect();
+        assert_eq!(b.census().events, 3);
+        drop(events);
+        assert_eq!(b.census(), vmm::host::Census::default());
+    }
+
     #[test]
     fn access_without_permission_faults_the_stream() {
         let b = open::host();

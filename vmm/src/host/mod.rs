@@ -34,6 +34,7 @@ mod sys;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
@@ -73,6 +74,8 @@ pub struct Census {
     /// Chunks whose memory still exists (released handles still mapped count).
     pub chunks: usize,
     pub mappings: usize,
+    /// Events not yet dropped.
+    pub events: usize,
 }
 
 pub struct Host {
@@ -101,6 +104,7 @@ impl Host {
                 used: vec![0; config.devices as usize],
                 ..Tables::default()
             }),
+            events: AtomicUsize::new(0),
         });
         Ok(Arc::new(Self { config, memory }))
     }
@@ -112,6 +116,7 @@ impl Host {
             reservations: tables.reservations.len(),
             chunks: tables.chunks.len(),
             mappings: tables.mappings.len(),
+            events: self.memory.events.load(Ordering::Relaxed),
         }
     }
 
@@ -274,6 +279,8 @@ impl Tables {
 /// The tables, shared with the stream workers.
 pub(super) struct Memory {
     tables: RwLock<Tables>,
+    /// Live events, for the census.
+    pub(super) events: AtomicUsize,
 }
 
 impl Memory {
@@ -624,7 +631,7 @@ impl Backend for Host {
 
     fn create_event(&self, device: DeviceId) -> Result<HostEvent> {
         self.check_device("create_event", device)?;
-        Ok(HostEvent::new(device))
+        Ok(HostEvent::new(device, Arc::clone(&self.memory)))
     }
 
     fn record_event(&self, event: &HostEvent, stream: &HostStream) -> Result<()> {

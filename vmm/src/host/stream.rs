@@ -10,6 +10,7 @@
 //! faulted: later operations are skipped and every later point completes
 //! with the error, which the next synchronize or query reports.
 
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::Duration;
@@ -184,13 +185,17 @@ fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>) {
 pub struct HostEvent {
     device: DeviceId,
     latest: Mutex<Option<Arc<Point>>>,
+    /// Counts this event in the backend's census while it lives.
+    memory: Arc<Memory>,
 }
 
 impl HostEvent {
-    pub(super) fn new(device: DeviceId) -> Self {
+    pub(super) fn new(device: DeviceId, memory: Arc<Memory>) -> Self {
+        memory.events.fetch_add(1, Ordering::Relaxed);
         Self {
             device,
             latest: Mutex::new(None),
+            memory,
         }
     }
 
@@ -238,5 +243,11 @@ fn same_device(call: &'static str, a: DeviceId, b: DeviceId) -> Result<()> {
             call,
             format!("event of {a} used with a stream of {b}"),
         ))
+    }
+}
+
+impl Drop for HostEvent {
+    fn drop(&mut self) {
+        self.memory.events.fetch_sub(1, Ordering::Relaxed);
     }
 }
