@@ -891,7 +891,11 @@ impl<B: Backend> Pool<B> {
             .filter_map(Weak::upgrade)
             .collect();
         for shared in pools {
-            if let Err(err) = Pool(shared).trim_to(0) {
+            let pool = Pool(shared);
+            // Memory a pool's streams freed but have not passed is unused
+            // too, once they have: wait for them, as for this pool's own.
+            pool.lock().wait_for_pending_frees(&pool.0.space.backend);
+            if let Err(err) = pool.trim_to(0) {
                 tracing::warn!(%err, "releasing unused memory failed");
             }
         }

@@ -453,6 +453,35 @@ suites!(
     many_threads_many_streams,
 );
 
+// ---- host only: a full device ------------------------------------------------------
+
+/// Out of memory in one pool waits for another pool's stream-ordered frees
+/// before giving up: memory freed but not yet passed is unused once it is.
+#[test]
+fn a_full_device_waits_for_the_frees_of_other_pools() {
+    let b = common::host(); // 1 GiB a device
+    let ctx = Context::new(Arc::clone(&b)).unwrap();
+    let pools: Vec<_> = (0..2)
+        .map(|_| ctx.create_pool(&PoolProps::new(DEV)).unwrap())
+        .collect();
+    for pool in &pools {
+        pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+            .unwrap();
+    }
+    let s = ctx.create_stream(DEV).unwrap();
+    let first = pools[0].allocate_async(640 * MIB, &s).unwrap();
+    b.delay(s.raw(), LATE).unwrap();
+    pools[0].free_async(first, &s).unwrap();
+    assert_eq!(pools[0].stats().pending_bytes, 640 * MIB);
+    // Only the first pool's pending free can make room for this.
+    let second = pools[1].allocate(640 * MIB).unwrap();
+    assert_eq!(pools[0].stats().reserved_bytes, 0);
+    pools[1].free(second).unwrap();
+    for pool in &pools {
+        pool.audit().unwrap();
+    }
+}
+
 // ---- host only: injected faults on the stream-ordered paths --------------------
 
 mod faults {
