@@ -427,6 +427,9 @@ struct Inner<B: Backend> {
     /// Mappings that could be neither given access nor unmapped: out of
     /// service, kept so their chunks stay accounted for.
     quarantine: Vec<Mapping<B>>,
+    /// Chunks the driver would not release: still held and counted as
+    /// reserved, released again at the next trim (or when the pool goes).
+    unreleased: Vec<Arc<Chunk<B>>>,
     /// This pool's id, to find its entry in a stream's pending frees.
     id: u64,
     reserved: u64,
@@ -572,6 +575,7 @@ impl<B: Backend> Pool<B> {
                 units: BTreeMap::new(),
                 spares: Vec::new(),
                 quarantine: Vec::new(),
+                unreleased: Vec::new(),
                 id,
                 reserved: 0,
                 reserved_high: 0,
@@ -1954,6 +1958,9 @@ impl<B: Backend> Inner<B> {
     }
 
     fn trim_to(&mut self, keep: u64) -> Result<()> {
+        for chunk in std::mem::take(&mut self.unreleased) {
+            self.release(chunk);
+        }
         if self.reserved <= keep {
             return Ok(());
         }
@@ -1994,6 +2001,8 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Drops a chunk the pool no longer wants; the driver frees it.
+    /// A chunk the driver will not release stays held (and reserved) in
+    /// `unreleased`, for the next trim to try again.
     fn release(&mut self, chunk: Arc<Chunk<B>>) {
         let size = chunk.size() as u64;
         debug_assert_eq!(
@@ -2001,11 +2010,18 @@ impl<B: Backend> Inner<B> {
             1,
             "a released chunk has one owner"
         );
-        drop(chunk);
-        self.reserved -= size;
-        self.stats.chunks_released += 1;
-        self.stats.bytes_released += size;
-        tracing::debug!(size, "released chunk");
+        match Chunk::release(chunk) {
+            Ok(()) => {
+                self.reserved -= size;
+                self.stats.chunks_released += 1;
+                self.stats.bytes_released += size;
+                tracing::debug!(size, "released chunk");
+            }
+            Err((err, chunk)) => {
+                tracing::warn!(%err, size, "could not release a chunk; kept for the next trim");
+                self.unreleased.push(chunk);
+            }
+        }
     }
 
     /// `allocated`: bytes the heap should hold as allocated (live and
@@ -2033,6 +2049,9 @@ impl<B: Backend> Inner<B> {
         }
         for m in &self.quarantine {
             hold(m.chunk(), &mut problems);
+        }
+        for c in &self.unreleased {
+            hold(c, &mut problems);
         }
         // An alias's chunk is usually mapped at its new place too.
         for (&va, a) in &self.aliases {

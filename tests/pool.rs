@@ -456,7 +456,13 @@ mod small_device {
 
     #[test]
     fn every_injected_fault_leaves_the_pool_consistent_and_nothing_leaked() {
-        let calls = [Call::CreateChunk, Call::Map, Call::SetAccess, Call::Unmap];
+        let calls = [
+            Call::CreateChunk,
+            Call::Map,
+            Call::SetAccess,
+            Call::Unmap,
+            Call::ReleaseChunk,
+        ];
         let injected = crate::common::at_every_call_site(&calls, |b| {
             let ctx = Context::new(Arc::clone(b)).unwrap();
             let pool = ctx

@@ -68,6 +68,9 @@ pub struct Chunk<B: Backend> {
     handle: ChunkHandle,
     device: DeviceId,
     size: usize,
+    /// Set by a successful [`Chunk::release`], so that `Drop` does not
+    /// release twice.
+    released: bool,
 }
 
 impl<B: Backend> Chunk<B> {
@@ -78,6 +81,7 @@ impl<B: Backend> Chunk<B> {
             handle,
             device,
             size,
+            released: false,
         }))
     }
 
@@ -89,6 +93,7 @@ impl<B: Backend> Chunk<B> {
             handle,
             device,
             size,
+            released: false,
         }))
     }
 
@@ -106,12 +111,37 @@ impl<B: Backend> Chunk<B> {
             handle,
             device,
             size,
+            released: false,
         }))
     }
 
     /// A new descriptor of this (shareable) chunk for another process.
     pub fn export(&self) -> Result<OwnedFd> {
         self.backend.export_chunk(self.handle)
+    }
+
+    /// Releases the chunk now, when `this` is its last owner. On failure
+    /// (another owner, or the driver refuses) the chunk comes back with the
+    /// error, still held, for the caller to keep and try again; dropping it
+    /// tries once more.
+    pub fn release(this: Arc<Self>) -> Result<(), (crate::Error, Arc<Self>)> {
+        let mut chunk = match Arc::try_unwrap(this) {
+            Ok(chunk) => chunk,
+            Err(shared) => {
+                let err = crate::Error::invalid(
+                    "Chunk::release",
+                    format!("{:?} has other owners", shared.handle),
+                );
+                return Err((err, shared));
+            }
+        };
+        match chunk.backend.release_chunk(chunk.handle) {
+            Ok(()) => {
+                chunk.released = true;
+                Ok(())
+            }
+            Err(err) => Err((err, Arc::new(chunk))),
+        }
     }
 
     pub fn handle(&self) -> ChunkHandle {
@@ -129,6 +159,9 @@ impl<B: Backend> Chunk<B> {
 
 impl<B: Backend> Drop for Chunk<B> {
     fn drop(&mut self) {
+        if self.released {
+            return;
+        }
         if let Err(err) = self.backend.release_chunk(self.handle) {
             report_drop_error("releasing a chunk", &err);
         }
