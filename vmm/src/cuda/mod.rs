@@ -18,18 +18,15 @@
 //! process failing to start. It checks that the library can be loaded before
 //! the first driver call, because cudarc panics when it cannot.
 //!
-//! **Contexts.** The backend retains a device's primary context (the one
-//! the runtime API and most libraries share) the first time it uses that
-//! device, and keeps it until the backend and all of its streams and events
-//! are gone: a process that uses one GPU of several makes no context on the
-//! others. Driver calls that need
+//! **Contexts.** [`Cuda::new`] retains every device's primary context (the
+//! one the runtime API and most libraries share) and keeps it until the
+//! backend and all of its streams and events are gone. Driver calls that need
 //! a current context first bind the device's primary context to the calling
 //! thread, unless `cuCtxGetCurrent` says it is current already, and put back
 //! the thread's previous context afterwards: vmm runs inside programs that
 //! bind contexts of their own (PyTorch binds the current device's), and
 //! leaves every thread as it found it. Calls that name no device (address
-//! ranges, unmap, set-access) bind the first context in use (device 0's if
-//! none is); stream and event calls bind
+//! ranges, unmap, set-access) bind device 0's; stream and event calls bind
 //! the context their stream or event was made in.
 //!
 //! **Borrowed streams.** [`Backend::borrow_stream`] wraps a stream someone
@@ -57,10 +54,10 @@ pub mod peers;
 mod result;
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::ptr;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cudarc::driver::sys;
@@ -75,14 +72,8 @@ use crate::{
 /// The CUDA driver as a [`Backend`].
 #[derive(Debug)]
 pub struct Cuda {
-    /// Indexed by device ordinal; never empty. A device's primary context
-    /// is retained on its first use, so that a process that uses one GPU of
-    /// eight makes no context (and spends no memory) on the other seven.
-    devices: Vec<OnceLock<Arc<DeviceContext>>>,
-    /// Serialises retaining contexts.
-    opening: Mutex<()>,
-    /// Device 0's allocation granularity: the unit of address ranges.
-    granularity: usize,
+    /// Indexed by device ordinal; never empty.
+    devices: Vec<Arc<DeviceContext>>,
     tables: Mutex<Tables>,
 }
 
@@ -176,8 +167,8 @@ fn check_size(call: &'static str, granularity: usize, size: usize) -> Result<()>
 }
 
 impl Cuda {
-    /// Loads and initialises the driver; contexts are retained as devices
-    /// are first used. Fails with [`ErrorKind::DriverUnavailable`] when there is no
+    /// Loads and initialises the driver and retains every device's primary
+    /// context. Fails with [`ErrorKind::DriverUnavailable`] when there is no
     /// driver library, it cannot be initialised, or it sees no device.
     pub fn new() -> Result<Arc<Self>> {
         // SAFETY: only dlopens (and closes again) the driver library under
@@ -198,44 +189,34 @@ impl Cuda {
                 "the driver sees no CUDA device",
             ));
         }
-        let granularity = result::mem_get_allocation_granularity(0)?;
-        tracing::debug!(devices = count, granularity, "CUDA backend ready");
+        let devices = (0..count)
+            .map(|ordinal| DeviceContext::open(ordinal).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(
+            devices = devices.len(),
+            granularity = devices[0].granularity(),
+            "CUDA backend ready"
+        );
         Ok(Arc::new(Self {
-            devices: (0..count).map(|_| OnceLock::new()).collect(),
-            opening: Mutex::new(()),
-            granularity,
+            devices,
             tables: Mutex::default(),
         }))
     }
 
-    /// The device's context, retained on first use.
     fn device(&self, call: &'static str, device: DeviceId) -> Result<&Arc<DeviceContext>> {
-        let slot = self.devices.get(device.0 as usize).ok_or_else(|| {
+        self.devices.get(device.0 as usize).ok_or_else(|| {
             Error::rejected(
                 call,
                 ErrorKind::InvalidDevice,
                 format!("{device} does not exist ({} present)", self.devices.len()),
             )
-        })?;
-        if let Some(context) = slot.get() {
-            return Ok(context);
-        }
-        let _opening = self.opening.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(context) = slot.get() {
-            return Ok(context);
-        }
-        let context = Arc::new(DeviceContext::open(device.0 as c_int)?);
-        tracing::debug!(device = device.0, "retained the device's primary context");
-        Ok(slot.get_or_init(|| context))
+        })
     }
 
-    /// A context to bind for calls that name no device (address ranges,
-    /// unmap, set-access): the first one in use, else device 0's.
-    fn any(&self, call: &'static str) -> Result<&Arc<DeviceContext>> {
-        match self.devices.iter().find_map(OnceLock::get) {
-            Some(context) => Ok(context),
-            None => self.device(call, DeviceId(0)),
-        }
+    /// Device 0: its granularity is the one of address ranges, and its
+    /// context is bound for calls that name no device.
+    fn first(&self) -> &DeviceContext {
+        &self.devices[0]
     }
 
     fn tables(&self) -> MutexGuard<'_, Tables> {
@@ -396,15 +377,16 @@ impl Backend for Cuda {
     }
 
     fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr> {
-        check_size("reserve", self.granularity, size)?;
+        let first = self.first();
+        check_size("reserve", first.granularity(), size)?;
         if alignment != 0 && !alignment.is_power_of_two() {
             return Err(Error::invalid(
                 "reserve",
                 format!("alignment {alignment:#x} is not a power of two"),
             ));
         }
-        let _bound = self.any("reserve")?.bind()?;
-        let base = result::mem_address_reserve(size, alignment.max(self.granularity))?;
+        let _bound = first.bind()?;
+        let base = result::mem_address_reserve(size, alignment.max(first.granularity()))?;
         self.tables().reservations.insert(base, size);
         Ok(DevicePtr(base))
     }
@@ -424,7 +406,7 @@ impl Backend for Cuda {
                 format!("the reservation at {base} still has mappings"),
             ));
         }
-        let _bound = self.any("free_reservation")?.bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables hold exactly this reservation, made by
         // `reserve`, with nothing mapped in it; the lock keeps it so until
         // it is removed below.
@@ -508,7 +490,7 @@ impl Backend for Cuda {
                 format!("{size} bytes at {va} are not a run of whole mappings"),
             ));
         }
-        let _bound = self.any("unmap")?.bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables say the range is exactly whole mappings made by
         // `map`; the caller guarantees (trait contract) that no queued work
         // still touches it.
@@ -554,7 +536,7 @@ impl Backend for Cuda {
         if desc.is_empty() {
             return Ok(());
         }
-        let _bound = self.any("set_access")?.bind()?;
+        let _bound = self.first().bind()?;
         // SAFETY: the tables say the range is whole mappings made by `map`,
         // and the lock keeps them mapped during the call; taking access away
         // from queued work is the caller's to avoid (trait contract), and
@@ -565,7 +547,7 @@ impl Backend for Cuda {
     fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
         let ordinal = self.device("get_access", device)?.ordinal();
         let _mapped = self.mapped("get_access", va, 1)?;
-        let _bound = self.any("get_access")?.bind()?;
+        let _bound = self.first().bind()?;
         let flags = result::mem_get_access(ordinal, va.0)?;
         let read = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ as u64;
         let read_write = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
