@@ -219,6 +219,30 @@ impl Cuda {
         &self.devices[0]
     }
 
+    /// A chunk of `size` bytes on `device`, exportable when `shareable`,
+    /// entered in the tables.
+    fn create(
+        &self,
+        call: &'static str,
+        device: DeviceId,
+        size: usize,
+        shareable: bool,
+    ) -> Result<ChunkHandle> {
+        let context = self.device(call, device)?;
+        check_size(call, context.granularity(), size)?;
+        let _bound = context.bind()?;
+        let handle = result::mem_create(context.ordinal(), size, shareable)?;
+        self.tables().chunks.insert(
+            handle,
+            ChunkEntry {
+                device,
+                size,
+                shareable,
+            },
+        );
+        Ok(ChunkHandle(handle))
+    }
+
     fn tables(&self) -> MutexGuard<'_, Tables> {
         self.tables.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -416,19 +440,7 @@ impl Backend for Cuda {
     }
 
     fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
-        let context = self.device("create_chunk", device)?;
-        check_size("create_chunk", context.granularity(), size)?;
-        let _bound = context.bind()?;
-        let handle = result::mem_create(context.ordinal(), size)?;
-        self.tables().chunks.insert(
-            handle,
-            ChunkEntry {
-                device,
-                size,
-                shareable: false,
-            },
-        );
-        Ok(ChunkHandle(handle))
+        self.create("create_chunk", device, size, false)
     }
 
     fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {
@@ -559,19 +571,7 @@ impl Backend for Cuda {
     }
 
     fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
-        let context = self.device("create_shareable_chunk", device)?;
-        check_size("create_shareable_chunk", context.granularity(), size)?;
-        let _bound = context.bind()?;
-        let handle = result::mem_create_shareable(context.ordinal(), size)?;
-        self.tables().chunks.insert(
-            handle,
-            ChunkEntry {
-                device,
-                size,
-                shareable: true,
-            },
-        );
-        Ok(ChunkHandle(handle))
+        self.create("create_shareable_chunk", device, size, true)
     }
 
     fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {

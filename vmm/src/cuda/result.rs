@@ -266,12 +266,26 @@ pub(crate) unsafe fn mem_address_free(base: sys::CUdeviceptr, size: usize) -> Re
 }
 
 /// `cuMemCreate`: `size` bytes of pinned memory on the device of ordinal
-/// `ordinal`.
-pub(crate) fn mem_create(ordinal: c_int, size: usize) -> Result<sys::CUmemGenericAllocationHandle> {
-    let prop = pinned_on(ordinal);
+/// `ordinal`; `shareable`: exportable as a POSIX file descriptor as well
+/// ([`mem_export_to_shareable_handle`]), for sharing with another process.
+pub(crate) fn mem_create(
+    ordinal: c_int,
+    size: usize,
+    shareable: bool,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let prop = if shareable {
+        sys::CUmemAllocationProp {
+            requestedHandleTypes:
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            ..pinned_on(ordinal)
+        }
+    } else {
+        pinned_on(ordinal)
+    };
     let mut handle = 0;
-    // SAFETY: `prop` is a fully initialised property that outlives the call;
-    // `handle` is a valid place for the new handle.
+    // SAFETY: `prop` is a fully initialised property that outlives the call
+    // (a POSIX descriptor type reads no Windows-only field); `handle` is a
+    // valid place for the new handle.
     check("cuMemCreate", unsafe {
         sys::cuMemCreate(&mut handle, size, &prop, 0)
     })?;
@@ -336,32 +350,12 @@ pub(crate) unsafe fn mem_set_access(
     })
 }
 
-/// `cuMemCreate` of memory that can also be exported as a POSIX file
-/// descriptor ([`mem_export_to_shareable_handle`]), for sharing with another
-/// process.
-pub(crate) fn mem_create_shareable(
-    ordinal: c_int,
-    size: usize,
-) -> Result<sys::CUmemGenericAllocationHandle> {
-    let prop = sys::CUmemAllocationProp {
-        requestedHandleTypes:
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        ..pinned_on(ordinal)
-    };
-    let mut handle = 0;
-    // SAFETY: as in `mem_create`; a POSIX descriptor type reads no
-    // Windows-only field.
-    check("cuMemCreate", unsafe {
-        sys::cuMemCreate(&mut handle, size, &prop, 0)
-    })?;
-    Ok(handle)
-}
-
 /// `cuMemExportToShareableHandle` as a POSIX file descriptor, owned by the
 /// caller.
 ///
 /// # Safety
-/// 1. `handle` is a live handle from [`mem_create_shareable`] (or imported).
+/// 1. `handle` is a live handle from [`mem_create`] with `shareable` (or
+///    imported).
 pub(crate) unsafe fn mem_export_to_shareable_handle(
     handle: sys::CUmemGenericAllocationHandle,
 ) -> Result<OwnedFd> {
