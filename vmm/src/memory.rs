@@ -76,25 +76,13 @@ pub struct Chunk<B: Backend> {
 impl<B: Backend> Chunk<B> {
     pub fn new(backend: &Arc<B>, device: DeviceId, size: usize) -> Result<Arc<Self>> {
         let handle = backend.create_chunk(device, size)?;
-        Ok(Arc::new(Self {
-            backend: Arc::clone(backend),
-            handle,
-            device,
-            size,
-            released: false,
-        }))
+        Ok(Self::owning(backend, handle, device, size))
     }
 
     /// A chunk that can be exported to another process ([`Chunk::export`]).
     pub fn new_shareable(backend: &Arc<B>, device: DeviceId, size: usize) -> Result<Arc<Self>> {
         let handle = backend.create_shareable_chunk(device, size)?;
-        Ok(Arc::new(Self {
-            backend: Arc::clone(backend),
-            handle,
-            device,
-            size,
-            released: false,
-        }))
+        Ok(Self::owning(backend, handle, device, size))
     }
 
     /// A chunk another process exported, from its descriptor (which the
@@ -106,13 +94,18 @@ impl<B: Backend> Chunk<B> {
         size: usize,
     ) -> Result<Arc<Self>> {
         let handle = backend.import_chunk(fd, device, size)?;
-        Ok(Arc::new(Self {
+        Ok(Self::owning(backend, handle, device, size))
+    }
+
+    /// The owner of a handle the backend just gave out.
+    fn owning(backend: &Arc<B>, handle: ChunkHandle, device: DeviceId, size: usize) -> Arc<Self> {
+        Arc::new(Self {
             backend: Arc::clone(backend),
             handle,
             device,
             size,
             released: false,
-        }))
+        })
     }
 
     /// A new descriptor of this (shareable) chunk for another process.
