@@ -159,6 +159,17 @@ pub enum PoolAttribute {
     UsedMemHigh,
 }
 
+impl PoolAttribute {
+    /// The three cross-stream reuse switches (SPEC.md section 3), in this
+    /// order: follow event dependencies, opportunistic, internal
+    /// dependencies.
+    pub const REUSE_SWITCHES: [PoolAttribute; 3] = [
+        PoolAttribute::ReuseFollowEventDependencies,
+        PoolAttribute::ReuseAllowOpportunistic,
+        PoolAttribute::ReuseAllowInternalDependencies,
+    ];
+}
+
 /// What the pool has done, beyond CUDA's attributes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolStats {

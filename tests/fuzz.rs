@@ -157,11 +157,7 @@ fn how() -> impl Strategy<Value = How> {
 
 fn op() -> impl Strategy<Value = Op> {
     let s = || 0..STREAMS;
-    let attribute = prop::sample::select(vec![
-        PoolAttribute::ReuseFollowEventDependencies,
-        PoolAttribute::ReuseAllowOpportunistic,
-        PoolAttribute::ReuseAllowInternalDependencies,
-    ]);
+    let attribute = prop::sample::select(PoolAttribute::REUSE_SWITCHES.to_vec());
     prop_oneof![
         8 => (how(), s(), size(), prop_oneof![2 => Just(0u64), 1 => 1..4u64])
             .prop_map(|(how, s, size, late)| Op::Alloc { how, s, size, late }),

@@ -226,11 +226,7 @@ pub fn attributes_and_current_pool<B: Backend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx.default_pool(DEV).unwrap();
     assert_eq!(pool.attribute(PoolAttribute::ReleaseThreshold), 0);
-    for switch in [
-        PoolAttribute::ReuseFollowEventDependencies,
-        PoolAttribute::ReuseAllowOpportunistic,
-        PoolAttribute::ReuseAllowInternalDependencies,
-    ] {
+    for switch in PoolAttribute::REUSE_SWITCHES {
         assert_eq!(pool.attribute(switch), 1, "{switch:?} is on by default");
         pool.set_attribute(switch, 0).unwrap();
         assert_eq!(pool.attribute(switch), 0);

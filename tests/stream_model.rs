@@ -121,11 +121,7 @@ proptest! {
         {
             let ctx = Context::new(std::sync::Arc::clone(&host)).unwrap();
             let pool = ctx.create_pool(&PoolProps { chunk_size: Some(8 << 20), ..PoolProps::new(DEV) }).unwrap();
-            for (attr, on) in [
-                PoolAttribute::ReuseFollowEventDependencies,
-                PoolAttribute::ReuseAllowOpportunistic,
-                PoolAttribute::ReuseAllowInternalDependencies,
-            ]
+            for (attr, on) in PoolAttribute::REUSE_SWITCHES
             .into_iter()
             .zip(switches)
             {

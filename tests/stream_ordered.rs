@@ -44,14 +44,7 @@ fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Poo
             ..PoolProps::new(DEV)
         })
         .unwrap();
-    for (attr, on) in [
-        PoolAttribute::ReuseFollowEventDependencies,
-        PoolAttribute::ReuseAllowOpportunistic,
-        PoolAttribute::ReuseAllowInternalDependencies,
-    ]
-    .into_iter()
-    .zip(switches)
-    {
+    for (attr, on) in PoolAttribute::REUSE_SWITCHES.into_iter().zip(switches) {
         pool.set_attribute(attr, on).unwrap();
     }
     ctx.set_current_pool(&pool).unwrap();
