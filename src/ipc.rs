@@ -191,6 +191,7 @@ struct Exported<B: Backend> {
 impl<B: Backend> Exports<B> {
     /// Called by every free: hands the allocation back to be freed now, or
     /// keeps it (returns `None`) while another process holds a lease on it.
+    #[inline]
     pub(crate) fn on_free(
         &self,
         allocation: Allocation,
@@ -199,6 +200,16 @@ impl<B: Backend> Exports<B> {
         if self.live.load(Ordering::Acquire) == 0 {
             return Some(allocation);
         }
+        self.on_free_exported(allocation, stream)
+    }
+
+    /// [`Exports::on_free`] while some allocation is exported.
+    #[cold]
+    fn on_free_exported(
+        &self,
+        allocation: Allocation,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Option<Allocation> {
         let ptr = allocation.ptr().0;
         let mut state = lock(&self.state);
         match state.by_ptr.get_mut(&ptr) {

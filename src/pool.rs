@@ -130,6 +130,22 @@ impl Recorder {
             tracing::warn!(%err, "writing the allocation trace failed");
         }
     }
+
+    /// Records an allocation; returns its id in the trace. Out of line:
+    /// the allocation hot path only tests whether there is a recorder.
+    #[cold]
+    fn allocation(recorder: &Mutex<Self>, size: u64, stream: u64) -> u64 {
+        let mut r = lock(recorder);
+        let id = r.next_id;
+        r.next_id += 1;
+        r.line(format_args!("a {id} {size} {stream}\n"));
+        id
+    }
+
+    #[cold]
+    fn free(recorder: &Mutex<Self>, id: u64, stream: u64) {
+        lock(recorder).line(format_args!("f {id} {stream}\n"));
+    }
 }
 
 /// The default largest growth chunk: 32 MiB, a measured choice. Each chunk
@@ -702,16 +718,13 @@ impl<B: Backend> Pool<B> {
             st.seq += 1;
             let seq = st.seq;
             if let Some(frees) = st.pending.get_mut(&self.0.id) {
-                frees.by_size.entry(size).or_default().push(Pending {
+                frees.push(Pending {
                     arena: allocation.arena,
                     block: allocation.block,
                     ptr: allocation.ptr.0,
                     size,
                     seq,
                 });
-                frees.last_free = seq;
-                frees.bytes += size;
-                frees.frees += 1;
                 drop(st);
                 self.0.used.fetch_sub(size, Ordering::Relaxed);
                 return Ok(());
@@ -837,6 +850,7 @@ impl<B: Backend> Pool<B> {
         Ok(())
     }
 
+    #[inline(always)]
     fn hand_out(&self, size: u64, p: Pending, stream: u64) -> Allocation {
         tracing::trace!(
             pool = self.0.id,
@@ -844,13 +858,10 @@ impl<B: Backend> Pool<B> {
             size,
             "allocate"
         );
-        let trace_id = self.0.recorder.as_ref().map_or(0, |r| {
-            let mut r = lock(r);
-            let id = r.next_id;
-            r.next_id += 1;
-            r.line(format_args!("a {id} {size} {stream}\n"));
-            id
-        });
+        let trace_id = match &self.0.recorder {
+            Some(r) => Recorder::allocation(r, size, stream),
+            None => 0,
+        };
         Allocation {
             ptr: DevicePtr(p.ptr),
             size,
@@ -875,7 +886,7 @@ impl<B: Backend> Pool<B> {
 
     fn record_free(&self, allocation: &Allocation, stream: u64) {
         if let Some(r) = &self.0.recorder {
-            lock(r).line(format_args!("f {} {stream}\n", allocation.trace_id));
+            Recorder::free(r, allocation.trace_id, stream);
         }
     }
 
@@ -1327,7 +1338,7 @@ impl<B: Backend> Inner<B> {
             stream: Arc::clone(stream),
             events: VecDeque::new(),
         });
-        stream.state().pending.entry(self.id).or_default();
+        stream.state().pending.entry(self.id);
     }
 
     /// Moves the pending frees whose events have completed back to the heap
@@ -1505,7 +1516,7 @@ impl<B: Backend> Inner<B> {
             let mut st = reg.stream.state();
             let f = st.pending.get_mut(&self.id).expect("registered");
             let released = f.drain_upto(upto);
-            let now_empty = f.by_size.is_empty() && !guarded;
+            let now_empty = f.is_empty() && !guarded;
             if now_empty {
                 let f = st.pending.remove(&self.id).expect("present");
                 self.stats.allocations += f.reuses;

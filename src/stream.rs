@@ -65,8 +65,12 @@ pub(crate) struct Pending {
 /// The pending frees one stream has made in one pool.
 #[derive(Default)]
 pub(crate) struct PoolFrees {
-    /// By size, most recent last: the hot path pops from here.
-    pub(crate) by_size: FxHashMap<u64, Vec<Pending>>,
+    /// The latest free still pending, kept out of `by_size` so that a free
+    /// followed by an allocation of the same size (the hot path) touches no
+    /// map.
+    latest: Option<Pending>,
+    /// The others by size, most recent last.
+    by_size: FxHashMap<u64, Vec<Pending>>,
     /// Position of the latest free.
     pub(crate) last_free: u64,
     pub(crate) bytes: u64,
@@ -76,42 +80,77 @@ pub(crate) struct PoolFrees {
 }
 
 impl PoolFrees {
+    #[inline]
+    pub(crate) fn push(&mut self, p: Pending) {
+        self.last_free = p.seq;
+        self.bytes += p.size;
+        self.frees += 1;
+        if let Some(older) = self.latest.replace(p) {
+            self.by_size.entry(older.size).or_default().push(older);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.latest.is_none() && self.by_size.is_empty()
+    }
+
     /// The most recent pending block of exactly `size` freed at or before
     /// position `upto`.
+    #[inline(always)]
     pub(crate) fn take(&mut self, size: u64, upto: u64) -> Option<Pending> {
-        let list = self.by_size.get_mut(&size)?;
-        let i = list.iter().rposition(|p| p.seq <= upto)?;
-        let p = list.swap_remove(i);
+        let p = match &self.latest {
+            Some(l) if l.size == size && l.seq <= upto => self.latest.take(),
+            _ => {
+                let list = self.by_size.get_mut(&size)?;
+                let i = list.iter().rposition(|p| p.seq <= upto)?;
+                let p = list.swap_remove(i);
+                if list.is_empty() {
+                    self.by_size.remove(&size);
+                }
+                Some(p)
+            }
+        }?;
         self.bytes -= p.size;
         Some(p)
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Pending> {
+        self.latest.iter().chain(self.by_size.values().flatten())
     }
 
     /// The smallest size present, between `size` and 1/8 more, with a block
     /// freed at or before `upto`.
     pub(crate) fn near_size(&self, size: u64, upto: u64) -> Option<u64> {
-        self.by_size
-            .iter()
-            .filter(|(&s, list)| {
-                s >= size && s <= size + size / 8 && list.iter().any(|p| p.seq <= upto)
-            })
-            .map(|(&s, _)| s)
+        self.all()
+            .filter(|p| p.size >= size && p.size <= size + size / 8 && p.seq <= upto)
+            .map(|p| p.size)
             .min()
     }
 
     /// Removes every block freed at or before `upto`.
     pub(crate) fn drain_upto(&mut self, upto: u64) -> Vec<Pending> {
         let mut out = Vec::new();
-        for list in self.by_size.values_mut() {
-            let mut i = 0;
-            while i < list.len() {
-                if list[i].seq <= upto {
-                    out.push(list.swap_remove(i));
-                } else {
-                    i += 1;
-                }
+        let mut keep = Vec::new();
+        for p in self
+            .latest
+            .take()
+            .into_iter()
+            .chain(self.by_size.drain().flat_map(|(_, l)| l))
+        {
+            if p.seq <= upto {
+                out.push(p);
+            } else {
+                keep.push(p);
             }
         }
-        self.by_size.retain(|_, list| !list.is_empty());
+        // Oldest first, so each size's list keeps the most recent last and
+        // the latest goes back to `latest`.
+        keep.sort_unstable_by_key(|p| p.seq);
+        for p in keep {
+            if let Some(older) = self.latest.replace(p) {
+                self.by_size.entry(older.size).or_default().push(older);
+            }
+        }
         self.bytes -= out.iter().map(|p| p.size).sum::<u64>();
         out
     }
@@ -123,7 +162,40 @@ pub(crate) struct StreamState {
     pub(crate) clock: Clock,
     /// Pending frees by pool id. An entry exists exactly while the pool has
     /// this stream registered.
-    pub(crate) pending: FxHashMap<u64, PoolFrees>,
+    pub(crate) pending: ByPool,
+}
+
+/// A stream's pending frees, per pool: a short list searched in order, not
+/// a hash map, because a stream is registered with one pool or a few and
+/// the hot path looks its pool up on every call.
+#[derive(Default)]
+pub(crate) struct ByPool(Vec<(u64, PoolFrees)>);
+
+impl ByPool {
+    pub(crate) fn get(&self, pool: &u64) -> Option<&PoolFrees> {
+        self.0.iter().find(|(p, _)| p == pool).map(|(_, f)| f)
+    }
+
+    #[inline]
+    pub(crate) fn get_mut(&mut self, pool: &u64) -> Option<&mut PoolFrees> {
+        self.0.iter_mut().find(|(p, _)| p == pool).map(|(_, f)| f)
+    }
+
+    /// The entry of `pool`, made empty if there is none.
+    pub(crate) fn entry(&mut self, pool: u64) -> &mut PoolFrees {
+        match self.0.iter().position(|(p, _)| *p == pool) {
+            Some(i) => &mut self.0[i].1,
+            None => {
+                self.0.push((pool, PoolFrees::default()));
+                &mut self.0.last_mut().expect("just pushed").1
+            }
+        }
+    }
+
+    pub(crate) fn remove(&mut self, pool: &u64) -> Option<PoolFrees> {
+        let i = self.0.iter().position(|(p, _)| p == pool)?;
+        Some(self.0.swap_remove(i).1)
+    }
 }
 
 /// Held for a few instructions at a time, never across a driver call.
@@ -165,7 +237,7 @@ impl<B: Backend> Stream<B> {
             state: StateLock::new(StreamState {
                 seq: 0,
                 clock: Clock::default(),
-                pending: FxHashMap::default(),
+                pending: ByPool::default(),
             }),
         }))
     }
@@ -238,5 +310,62 @@ impl<B: Backend> Event<B> {
             st.clock.merge(&c.clock);
             st.clock.advance(c.stream, c.seq);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::Heap;
+
+    /// Pending blocks of the given (size, seq), in free order.
+    fn frees(blocks: &[(u64, u64)]) -> PoolFrees {
+        let mut heap = Heap::new();
+        let mut f = PoolFrees::default();
+        for (i, &(size, seq)) in blocks.iter().enumerate() {
+            let block = heap.insert_free(i as u64 * 1024, 512);
+            f.push(Pending {
+                arena: 0,
+                block,
+                ptr: i as u64 * 1024,
+                size,
+                seq,
+            });
+        }
+        f
+    }
+
+    #[test]
+    fn take_prefers_the_most_recent_of_a_size() {
+        let mut f = frees(&[(256, 1), (512, 2), (256, 3), (512, 4)]);
+        assert_eq!(f.bytes, 1536);
+        assert_eq!(f.last_free, 4);
+        assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(3));
+        assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(1));
+        assert!(f.take(256, u64::MAX).is_none());
+        // Only blocks freed at or before `upto`.
+        assert_eq!(f.take(512, 3).map(|p| p.seq), Some(2));
+        assert!(f.take(512, 3).is_none());
+        assert!(!f.is_empty());
+        assert_eq!(f.take(512, 4).map(|p| p.seq), Some(4));
+        assert!(f.is_empty());
+        assert_eq!(f.bytes, 0);
+    }
+
+    #[test]
+    fn near_size_and_drain_see_every_block() {
+        let mut f = frees(&[(1024, 1), (1100, 2), (4096, 3)]);
+        assert_eq!(f.near_size(1000, u64::MAX), Some(1024));
+        assert_eq!(f.near_size(1050, u64::MAX), Some(1100));
+        assert_eq!(f.near_size(1050, 1), None);
+        assert_eq!(f.near_size(4000, u64::MAX), Some(4096));
+        let drained: Vec<u64> = f.drain_upto(2).iter().map(|p| p.seq).collect();
+        assert_eq!(drained.len(), 2);
+        assert!(drained.contains(&1) && drained.contains(&2));
+        assert_eq!(f.bytes, 4096);
+        // What was kept is still found, by `take` as by `near_size`.
+        assert_eq!(f.near_size(4096, u64::MAX), Some(4096));
+        assert_eq!(f.take(4096, u64::MAX).map(|p| p.seq), Some(3));
+        assert!(f.is_empty());
     }
 }
