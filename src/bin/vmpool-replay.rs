@@ -63,6 +63,19 @@ struct Report {
     grows: u64,
     grow_nanos: u64,
     maps: u64,
+    unmaps: u64,
+}
+
+impl Report {
+    /// Estimated driver time of the replay's growth and remapping on the
+    /// H200, in microseconds: about 50 us per chunk mapped (map and set
+    /// access, the latter paid per separately mapped chunk), 21 us per
+    /// chunk unmapped and 15 us per chunk released (MEASURED.md,
+    /// docs/RESULTS.md). Creating a chunk (~9 us) is left out: it comes
+    /// with a map, which dominates.
+    fn est_driver_us(&self) -> u64 {
+        50 * self.maps + 21 * self.unmaps + 15 * self.chunks_released
+    }
 }
 
 fn progress(ops: usize) -> ProgressBar {
@@ -121,6 +134,7 @@ fn replay_vmpool<B: Backend>(
         grows: stats.grows,
         grow_nanos: stats.grow_nanos,
         maps: stats.maps,
+        unmaps: stats.unmaps,
     })
 }
 
@@ -262,6 +276,8 @@ fn main() -> Result<()> {
                 "grows": report.grows,
                 "grow_ns_per_op": report.grow_nanos as f64 / report.ops as f64,
                 "maps": report.maps,
+                "unmaps": report.unmaps,
+                "est_driver_us": report.est_driver_us(),
             })
         );
     } else {
@@ -280,7 +296,14 @@ fn main() -> Result<()> {
             "chunks          {:>14} created, {} released",
             report.chunks_created, report.chunks_released
         );
-        println!("grows / maps    {:>14} / {}", report.grows, report.maps);
+        println!(
+            "grows / maps    {:>14} / {} ({} unmaps)",
+            report.grows, report.maps, report.unmaps
+        );
+        println!(
+            "driver, est.    {:>14} us (50 per map, 21 per unmap, 15 per release)",
+            report.est_driver_us()
+        );
         println!(
             "growing         {:>14.1} ns per op of the above",
             report.grow_nanos as f64 / report.ops as f64
