@@ -1163,16 +1163,16 @@ impl<B: Backend> Inner<B> {
             size,
             seq: 0,
         };
+        if let Some(s) = stream {
+            // The stream's own frees, at any size: in its order they are
+            // free, and back in the heap they join their free neighbours,
+            // so the heap's choice is as good as without stream order.
+            self.merge_own_frees(space, s)?;
+        }
         if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
             return Ok(block(arena, found));
         }
         if let Some(s) = stream {
-            // The stream's own frees, at any size: in its order they are free.
-            if self.merge_own_frees(space, s)? {
-                if let Some(found) = self.take_from_heap(space, arena, size, stream, held)? {
-                    return Ok(block(arena, found));
-                }
-            }
             if let Some(p) = self.reuse_pending(space, size, s)? {
                 return Ok(p);
             }
@@ -1304,17 +1304,17 @@ impl<B: Backend> Inner<B> {
         found
     }
 
-    /// Moves every pending free of `stream` into the heap, guarded, so that
-    /// the stream can reuse them at any size. Whether there were any.
+    /// Moves every pending free of `stream` into the heap, guarded, in the
+    /// order they were freed, so that the stream can reuse them at any size.
     ///
     /// The guards go when an event shows the stream has passed the frees;
     /// one is recorded here unless one is outstanding already, so that a
     /// stream missing often records at most one event per round trip of its
     /// work, and its free chunks become movable again once it catches up.
-    fn merge_own_frees(&mut self, space: &Space<B>, stream: &Arc<StreamShared<B>>) -> Result<bool> {
+    fn merge_own_frees(&mut self, space: &Space<B>, stream: &Arc<StreamShared<B>>) -> Result<()> {
         let merged = match stream.state().pending.get_mut(&self.id) {
             Some(f) => f.drain_upto(u64::MAX),
-            None => return Ok(false),
+            None => return Ok(()),
         };
         for p in &merged {
             self.arenas[p.arena].heap.free(p.block);
@@ -1329,7 +1329,7 @@ impl<B: Backend> Inner<B> {
         if !merged.is_empty() && self.streams[&stream.id].events.is_empty() {
             self.event_after_frees(space, stream.id)?;
         }
-        Ok(!merged.is_empty())
+        Ok(())
     }
 
     /// Notes that `stream` has (or will have) pending frees here.

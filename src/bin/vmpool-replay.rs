@@ -45,6 +45,10 @@ struct Args {
     /// Largest growth chunk, bytes (default: vmpool::DEFAULT_CHUNK_SIZE).
     #[arg(long)]
     chunk_size: Option<u64>,
+    /// vmpool only: replay through `allocate_async` / `free_async` on one
+    /// stream, as PyTorch calls it, instead of `allocate` / `free`.
+    #[arg(long)]
+    stream_ordered: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -94,6 +98,7 @@ fn replay_vmpool<B: Backend>(
     backend: Arc<B>,
     trace: &Trace,
     chunk_size: Option<u64>,
+    stream_ordered: bool,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(&PoolProps {
@@ -101,16 +106,23 @@ fn replay_vmpool<B: Backend>(
         ..PoolProps::new(DeviceId(0))
     })?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
+    let stream = ctx.create_stream(DeviceId(0))?;
+    let allocate = |size| match stream_ordered {
+        true => pool.allocate_async(size, &stream),
+        false => pool.allocate(size),
+    };
+    let free = |a| match stream_ordered {
+        true => pool.free_async(a, &stream),
+        false => pool.free(a),
+    };
     let mut live: Vec<Option<vmpool::Allocation>> = Vec::with_capacity(trace.slots);
     live.resize_with(trace.slots, || None);
     let bar = progress(trace.ops.len());
     let start = Instant::now();
     for (i, op) in trace.ops.iter().enumerate() {
         match *op {
-            TraceOp::Alloc { slot, size, .. } => live[slot] = Some(pool.allocate(size)?),
-            TraceOp::Free { slot, .. } => {
-                pool.free(live[slot].take().expect("trace frees a live id"))?
-            }
+            TraceOp::Alloc { slot, size, .. } => live[slot] = Some(allocate(size)?),
+            TraceOp::Free { slot, .. } => free(live[slot].take().expect("trace frees a live id"))?,
         }
         if i % 4096 == 0 {
             bar.set_position(i as u64);
@@ -121,8 +133,9 @@ fn replay_vmpool<B: Backend>(
     let stats = pool.stats();
     pool.audit().map_err(anyhow::Error::msg)?;
     for a in live.into_iter().flatten() {
-        pool.free(a)?;
+        free(a)?;
     }
+    ctx.synchronize_stream(&stream)?;
     Ok(Report {
         peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
         ops: trace.ops.len() as u64,
@@ -223,6 +236,9 @@ fn main() -> Result<()> {
         File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,
     )
     .with_context(|| format!("reading {}", args.trace.display()))?;
+    if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
+        bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
+    }
     let report = match (args.backend, args.allocator) {
         (BackendKind::Host, AllocatorKind::Vmpool) => {
             // A device large enough for the trace: four times its peak.
@@ -232,11 +248,19 @@ fn main() -> Result<()> {
                     .max(1 << 30),
                 ..vmm::host::HostConfig::default()
             };
-            replay_vmpool(vmm::host::Host::new(config)?, &trace, args.chunk_size)?
+            replay_vmpool(
+                vmm::host::Host::new(config)?,
+                &trace,
+                args.chunk_size,
+                args.stream_ordered,
+            )?
         }
-        (BackendKind::Cuda, AllocatorKind::Vmpool) => {
-            replay_vmpool(vmm::cuda::Cuda::new()?, &trace, args.chunk_size)?
-        }
+        (BackendKind::Cuda, AllocatorKind::Vmpool) => replay_vmpool(
+            vmm::cuda::Cuda::new()?,
+            &trace,
+            args.chunk_size,
+            args.stream_ordered,
+        )?,
         (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
             replay_cuda_async(&vmm::cuda::Cuda::new()?, &trace)?
         }
@@ -251,12 +275,15 @@ fn main() -> Result<()> {
         BackendKind::Host => "host",
         BackendKind::Cuda => "cuda",
     };
-    let allocator = args
+    let mut allocator = args
         .allocator
         .to_possible_value()
         .expect("named")
         .get_name()
         .to_string();
+    if args.stream_ordered {
+        allocator += " (stream-ordered)";
+    }
     if args.json {
         println!(
             "{}",
