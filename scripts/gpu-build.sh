@@ -48,8 +48,8 @@ done
 cargo build --release -p vmpool-c
 cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py "$bundle/torch/"
 
-# The shared traces, for the replay job.
-cp ../shared/traces/*.trace.gz "$bundle/traces/"
+# The shared traces and the one recorded here (traces/), for the replay job.
+cp ../shared/traces/*.trace.gz traces/*.trace.gz "$bundle/traces/"
 
 # The device tool carries at most 64 MiB: symbols go (panics still print
 # messages and locations, not function names).

@@ -16,7 +16,7 @@
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
-# REPLAY_CHUNK_SIZES (bytes; default 2 MiB and 32 MiB).
+# REPLAY_CHUNK_SIZES (bytes; default 32 MiB), synchronous and stream-ordered.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 outdir=${OUT:-$PWD}
@@ -86,8 +86,9 @@ for job in $jobs; do
             for allocator in cuda-async cuda-malloc; do
                 run "replay $(basename "$trace") $allocator" "$here/bin/vmpool-replay" --backend cuda --allocator "$allocator" "$trace"
             done
-            for size in ${REPLAY_CHUNK_SIZES:-2097152 33554432}; do
+            for size in ${REPLAY_CHUNK_SIZES:-33554432}; do
                 run "replay $(basename "$trace") vmpool chunk $size" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" "$trace"
+                run "replay $(basename "$trace") vmpool chunk $size stream-ordered" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" --stream-ordered "$trace"
             done
         done
         ;;
