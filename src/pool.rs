@@ -461,6 +461,11 @@ struct Inner<B: Backend> {
     id: u64,
     reserved: u64,
     reserved_high: u64,
+    /// Bytes of live allocations, less the frees the streams' hot paths
+    /// have not yet settled here (`PoolFrees::credit`; see
+    /// [`Inner::settle`]), and the high-water mark of live bytes.
+    used: u64,
+    used_high: u64,
     release_threshold: u64,
     /// The reuse switches, in order: follow event dependencies,
     /// opportunistic, internal dependencies.
@@ -485,10 +490,6 @@ struct Inner<B: Backend> {
 pub(crate) struct Shared<B: Backend> {
     id: u64,
     space: Space<B>,
-    /// Bytes of live allocations and their high-water mark: outside the
-    /// lock, because the same-stream hot path does not take it.
-    used: Padded<AtomicU64>,
-    used_high: Padded<AtomicU64>,
     inner: Mutex<Inner<B>>,
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
@@ -496,18 +497,6 @@ pub(crate) struct Shared<B: Backend> {
     recorder: Option<Mutex<Recorder>>,
     /// Allocations exported to other processes and their leases (`ipc.rs`).
     pub(crate) exports: Exports<B>,
-}
-
-/// On a cache line of its own: `used` changes on every allocation and free,
-/// from every thread, and `used_high` is read as often.
-#[repr(align(128))]
-struct Padded<T>(T);
-
-impl<T> std::ops::Deref for Padded<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 /// The pools of one device.
@@ -583,8 +572,6 @@ impl<B: Backend> Pool<B> {
         };
         let shared = Arc::new(Shared {
             id,
-            used: Padded(AtomicU64::new(0)),
-            used_high: Padded(AtomicU64::new(0)),
             space: Space {
                 backend: Arc::clone(backend),
                 device,
@@ -606,6 +593,8 @@ impl<B: Backend> Pool<B> {
                 id,
                 reserved: 0,
                 reserved_high: 0,
+                used: 0,
+                used_high: 0,
                 release_threshold: 0,
                 reuse: [true; 3],
                 stats: PoolStats::default(),
@@ -725,8 +714,6 @@ impl<B: Backend> Pool<B> {
                     size,
                     seq,
                 });
-                drop(st);
-                self.0.used.fetch_sub(size, Ordering::Relaxed);
                 return Ok(());
             }
             // First pending free of this stream here: register it with the
@@ -748,13 +735,6 @@ impl<B: Backend> Pool<B> {
                 expected: self.device(),
                 found: stream.device(),
             })
-        }
-    }
-
-    fn count_used(&self, size: u64) {
-        let used = self.0.used.fetch_add(size, Ordering::Relaxed) + size;
-        if used > self.0.used_high.load(Ordering::Relaxed) {
-            self.0.used_high.fetch_max(used, Ordering::Relaxed);
         }
     }
 
@@ -780,13 +760,12 @@ impl<B: Backend> Pool<B> {
         if let Some(s) = stream {
             // The hot path: memory this stream freed, reused in its order,
             // without the pool's lock.
-            let reused = s.state().pending.get_mut(&self.0.id).and_then(|f| {
-                let p = f.take(rounded, u64::MAX);
-                f.reuses += u64::from(p.is_some());
-                p
-            });
+            let reused = s
+                .state()
+                .pending
+                .get_mut(&self.0.id)
+                .and_then(|f| f.reuse(rounded));
             if let Some(p) = reused {
-                self.count_used(p.size);
                 return Ok(self.hand_out(size, p, s.id));
             }
         }
@@ -795,8 +774,8 @@ impl<B: Backend> Pool<B> {
             let mut inner = self.lock();
             match inner.allocate(&self.0.space, rounded, stream) {
                 Ok(p) => {
+                    inner.count_used(p.size);
                     drop(inner);
-                    self.count_used(p.size);
                     return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id)));
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
@@ -822,7 +801,7 @@ impl<B: Backend> Pool<B> {
                         device: self.0.space.device,
                         requested: size,
                         reserved: inner.reserved,
-                        used: self.0.used.load(Ordering::Relaxed),
+                        used: inner.live_bytes(),
                         device_free,
                     });
                 }
@@ -843,10 +822,9 @@ impl<B: Backend> Pool<B> {
         };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.record_free(&allocation, 0);
-        self.lock().free(allocation.arena, allocation.block);
-        self.0
-            .used
-            .fetch_sub(allocation.block_size, Ordering::Relaxed);
+        let mut inner = self.lock();
+        inner.free(allocation.arena, allocation.block);
+        inner.used -= allocation.block_size;
         Ok(())
     }
 
@@ -974,8 +952,8 @@ impl<B: Backend> Pool<B> {
             PoolAttribute::ReuseAllowInternalDependencies => inner.reuse[2] as u64,
             PoolAttribute::ReservedMemCurrent => inner.reserved,
             PoolAttribute::ReservedMemHigh => inner.reserved_high,
-            PoolAttribute::UsedMemCurrent => self.0.used.load(Ordering::Relaxed),
-            PoolAttribute::UsedMemHigh => self.0.used_high.load(Ordering::Relaxed),
+            PoolAttribute::UsedMemCurrent => inner.live_bytes(),
+            PoolAttribute::UsedMemHigh => inner.used_high,
         }
     }
 
@@ -1000,10 +978,10 @@ impl<B: Backend> Pool<B> {
                 return Err(invalid("a high-water mark can only be reset, with 0"))
             }
             PoolAttribute::ReservedMemHigh => inner.reserved_high = inner.reserved,
-            PoolAttribute::UsedMemHigh => self
-                .0
-                .used_high
-                .store(self.0.used.load(Ordering::Relaxed), Ordering::Relaxed),
+            PoolAttribute::UsedMemHigh => {
+                inner.settle();
+                inner.used_high = inner.used;
+            }
             PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
                 return Err(invalid("read-only"))
             }
@@ -1013,6 +991,7 @@ impl<B: Backend> Pool<B> {
 
     pub fn stats(&self) -> PoolStats {
         let inner = self.lock();
+        let used_bytes = inner.live_bytes();
         let mut stats = inner.stats.clone();
         let mut pending_bytes: u64 = inner.guards.iter().map(|(&a, g)| g.end - a).sum();
         for reg in inner.streams.values() {
@@ -1026,7 +1005,7 @@ impl<B: Backend> Pool<B> {
         }
         PoolStats {
             reserved_bytes: inner.reserved,
-            used_bytes: self.0.used.load(Ordering::Relaxed),
+            used_bytes,
             mapped_bytes: inner.units.values().map(|m| m.size() as u64).sum(),
             spare_bytes: inner.spares.iter().map(|c| c.size() as u64).sum(),
             units: inner.units.len() as u64,
@@ -1084,6 +1063,7 @@ impl<B: Backend> Pool<B> {
     /// running totals; returns what disagrees. For tests and debugging.
     pub fn audit(&self) -> std::result::Result<(), String> {
         let inner = self.lock();
+        let used = inner.live_bytes();
         // Pending frees still in their streams' lists are allocated in the
         // heap; guarded ones are free there.
         let pending: u64 = inner
@@ -1091,7 +1071,7 @@ impl<B: Backend> Pool<B> {
             .values()
             .filter_map(|reg| reg.stream.state().pending.get(&self.0.id).map(|f| f.bytes))
             .sum();
-        inner.audit(self.0.used.load(Ordering::Relaxed) + pending)
+        inner.audit(used + pending)
     }
 }
 
@@ -1104,7 +1084,7 @@ impl<B: Backend> Drop for Shared<B> {
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         inner.wait_for_pending_frees(&self.space.backend);
-        let used = self.used.load(Ordering::Relaxed);
+        let used = inner.live_bytes();
         if used > 0 {
             tracing::warn!(
                 pool = self.id,
@@ -1123,6 +1103,49 @@ impl<B: Backend> Drop for Shared<B> {
 }
 
 impl<B: Backend> Inner<B> {
+    /// Bytes of live allocations: `used` less the streams' credits
+    /// (`PoolFrees::credit`: bytes their hot paths freed without this lock).
+    fn live_bytes(&self) -> u64 {
+        let credit: u64 = self
+            .streams
+            .values()
+            .filter_map(|reg| reg.stream.state().pending.get(&self.id).map(|f| f.credit))
+            .sum();
+        self.used - credit
+    }
+
+    /// Moves every stream's credit into `used`.
+    ///
+    /// Why the high-water mark stays exact though the hot path never
+    /// touches it: `used` grows only in [`Inner::count_used`], under this
+    /// lock, right after a settle, and the high is taken then. A stream's
+    /// hot path allocates only against its credit, that is, never more than
+    /// it freed since the last settle; so between two settles no stream
+    /// holds more than it did at the first, and live bytes stay at or under
+    /// what `used` was then. Resetting the high settles too, for the same
+    /// reason.
+    fn settle(&mut self) {
+        let id = self.id;
+        let credit: u64 = self
+            .streams
+            .values()
+            .filter_map(|reg| {
+                let mut st = reg.stream.state();
+                st.pending
+                    .get_mut(&id)
+                    .map(|f| std::mem::take(&mut f.credit))
+            })
+            .sum();
+        self.used -= credit;
+    }
+
+    /// Counts an allocation of `size` bytes made under this lock.
+    fn count_used(&mut self, size: u64) {
+        self.settle();
+        self.used += size;
+        self.used_high = self.used_high.max(self.used);
+    }
+
     /// The slow path of an allocation: the heap, then (stream-ordered) other
     /// pending frees as the reuse switches allow, then growth.
     fn allocate(
@@ -1519,6 +1542,7 @@ impl<B: Backend> Inner<B> {
             let now_empty = f.is_empty() && !guarded;
             if now_empty {
                 let f = st.pending.remove(&self.id).expect("present");
+                self.used -= f.credit;
                 self.stats.allocations += f.reuses;
                 self.stats.same_stream_reuses += f.reuses;
                 self.stats.frees += f.frees;

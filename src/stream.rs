@@ -13,9 +13,10 @@
 //! clock, so dependencies carry along chains of streams.
 //!
 //! A stream also holds, per pool, the blocks freed on it that are still
-//! pending. The same-stream hot path (free, then allocate the same size)
-//! touches only this state and the pool's `used` counters, not the pool's
-//! lock, so streams on different threads do not serialise on one lock.
+//! pending, and what those frees owe the pool's count of used bytes
+//! (`credit`). The same-stream hot path (free, then allocate the same size)
+//! touches only this state, nothing of the pool's, so streams on different
+//! threads share no lock and no counter.
 //! Lock order: a pool's lock, then a stream's; never the other way.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -74,6 +75,10 @@ pub(crate) struct PoolFrees {
     /// Position of the latest free.
     pub(crate) last_free: u64,
     pub(crate) bytes: u64,
+    /// Bytes freed here that the pool's `used` still counts: the hot path
+    /// does not take the pool's lock, so the pool settles them when it
+    /// next counts an allocation (`Inner::settle` in `pool.rs`).
+    pub(crate) credit: u64,
     /// Hot-path counts, summed into the pool's statistics.
     pub(crate) frees: u64,
     pub(crate) reuses: u64,
@@ -81,9 +86,11 @@ pub(crate) struct PoolFrees {
 
 impl PoolFrees {
     #[inline]
+    /// A free on the hot path.
     pub(crate) fn push(&mut self, p: Pending) {
         self.last_free = p.seq;
         self.bytes += p.size;
+        self.credit += p.size;
         self.frees += 1;
         if let Some(older) = self.latest.replace(p) {
             self.by_size.entry(older.size).or_default().push(older);
@@ -92,6 +99,21 @@ impl PoolFrees {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.latest.is_none() && self.by_size.is_empty()
+    }
+
+    /// The hot path's allocation: the most recent pending block of exactly
+    /// `size`, if the stream has freed at least `size` bytes since the pool
+    /// last settled its credit. Otherwise the allocation takes the pool's
+    /// lock, which keeps `used` and its high-water mark exact.
+    #[inline(always)]
+    pub(crate) fn reuse(&mut self, size: u64) -> Option<Pending> {
+        if self.credit < size {
+            return None;
+        }
+        let p = self.take(size, u64::MAX)?;
+        self.credit -= p.size;
+        self.reuses += 1;
+        Some(p)
     }
 
     /// The most recent pending block of exactly `size` freed at or before

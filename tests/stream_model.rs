@@ -139,6 +139,7 @@ proptest! {
                 }
             };
             let mut live: Vec<Live> = Vec::new();
+            let mut high = 0;
             for (step, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Alloc { s, size } => {
@@ -172,6 +173,16 @@ proptest! {
                     Op::Trim => pool.trim_to(0).unwrap(),
                 }
                 pool.audit().map_err(TestCaseError::fail)?;
+                // Used bytes: each live allocation's block, its size rounded
+                // up to 256 bytes, or up to 1/8 more where a pending block
+                // of a near size was reused. Each step allocates or frees
+                // once at most, so the high-water mark is the highest of
+                // these readings.
+                let used = pool.attribute(PoolAttribute::UsedMemCurrent);
+                let least: u64 = live.iter().map(|l| l.a.size().next_multiple_of(256)).sum();
+                prop_assert!(least <= used && used <= least + least / 8, "used {} for {} live", used, least);
+                high = high.max(used);
+                prop_assert_eq!(pool.attribute(PoolAttribute::UsedMemHigh), high);
                 let mut spans: Vec<(u64, u64)> = live.iter().map(|l| (l.a.ptr().0, l.a.size())).collect();
                 spans.sort_unstable();
                 for w in spans.windows(2) {
