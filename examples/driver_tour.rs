@@ -2,7 +2,8 @@
 //! write, remap a chunk elsewhere and read its data back, order work across
 //! streams with events; each step timed. Then what each step of growing and
 //! moving physical memory costs per chunk size (medians), which is what the
-//! pool's chunk size is chosen from. Runs on the GPU when one is present,
+//! pool's chunk size is chosen from; and whether each of those steps waits
+//! for work queued on the device. Runs on the GPU when one is present,
 //! else on the host backend, and says which.
 //!
 //!     cargo run --release --example driver_tour [-- --backend host|cuda]
@@ -106,7 +107,61 @@ fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
         start.elapsed().as_secs_f64() * 1e3,
         b.query_event(&event)?
     );
-    chunk_costs(b, &range)
+    chunk_costs(b, &range)?;
+    behind_queued_work(b, &range)
+}
+
+/// Whether a driver step waits for work queued on the device: each step
+/// is timed right after queueing 200 ms of delay on a stream, with
+/// memory the delayed work never touches. A step that returns at its
+/// usual cost with the delay still pending does not wait; one that takes
+/// ~200 ms does, and stalls a program that queues work ahead (PyTorch)
+/// each time the pool moves memory.
+fn behind_queued_work<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+    const DELAY: Duration = Duration::from_millis(200);
+    const SIZE: usize = 32 << 20;
+    let stream = b.create_stream(DEV)?;
+    let queued = b.create_event(DEV)?;
+    let rw = [AccessDesc::read_write(DEV)];
+    println!(
+        "
+behind {} ms of queued work (us; and whether that work was still queued after the step)",
+        DELAY.as_millis()
+    );
+    let step = |what: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+        b.delay(&stream, DELAY)?;
+        b.record_event(&queued, &stream)?;
+        let start = Instant::now();
+        f().with_context(|| what.to_string())?;
+        let us = start.elapsed().as_secs_f64() * 1e6;
+        let state = b.query_event(&queued)?;
+        println!("  {what:<40} {us:>10.1} us   queued work: {state:?}");
+        Ok(b.synchronize_stream(&stream)?)
+    };
+    let mut chunk = None;
+    step("create a 32 MiB chunk", &mut || {
+        chunk = Some(Chunk::new(b, DEV, SIZE)?);
+        Ok(())
+    })?;
+    let chunk = chunk.expect("created");
+    let mut mapping = None;
+    step("map it", &mut || {
+        mapping = Some(Mapping::new(range, 1 << 37, &chunk)?);
+        Ok(())
+    })?;
+    let mapping = mapping.expect("mapped");
+    step("set access", &mut || Ok(mapping.set_access(&rw)?))?;
+    let mut mapping = Some(mapping);
+    step("unmap it", &mut || {
+        let m = mapping.take().expect("mapped");
+        m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+        Ok(())
+    })?;
+    let mut chunk = Some(chunk);
+    step("release it", &mut || {
+        drop(chunk.take());
+        Ok(())
+    })
 }
 
 /// Median microseconds of each driver step for one chunk of several sizes:
