@@ -38,7 +38,11 @@
 //! queued work may touch it.
 //!
 //! Physical accounting: a chunk counts as reserved from its creation until
-//! the pool releases it.
+//! the pool releases it. Used bytes are counted under the pool's lock; the
+//! same-stream hot path, which does not take it, leaves what it frees and
+//! reuses as a credit on its stream, settled before the pool counts an
+//! allocation of its own (see [`Inner::settle`] for why the high-water
+//! mark stays exact).
 //!
 //! Access: the pool keeps one access list (its device read-write, then
 //! whatever peers were given with [`Pool::set_access`]); every mapping it
