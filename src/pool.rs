@@ -1277,11 +1277,19 @@ impl<B: Backend> Inner<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<bool> {
         let end = addr + size;
-        let mut after: FxHashMap<u64, u64> = FxHashMap::default();
-        for (_, g) in self.guards_in(addr, end) {
+        let found = self.guards_in(addr, end);
+        if found.is_empty() {
+            return Ok(true);
+        }
+        // Other streams whose frees are in the range, each with its latest
+        // free there: few, so a list.
+        let mut after: Vec<(u64, u64)> = Vec::new();
+        for (_, g) in &found {
             if stream.is_none_or(|s| s.id != g.stream) {
-                let seq = after.entry(g.stream).or_insert(0);
-                *seq = (*seq).max(g.seq);
+                match after.iter_mut().find(|(id, _)| *id == g.stream) {
+                    Some((_, seq)) => *seq = (*seq).max(g.seq),
+                    None => after.push((g.stream, g.seq)),
+                }
             }
         }
         if !after.is_empty() {
@@ -1298,7 +1306,7 @@ impl<B: Backend> Inner<B> {
                 self.wait_for_frees_of(space, s, id)?;
             }
         }
-        self.take_guards(addr, end);
+        self.remove_guards(addr, end, &found);
         Ok(true)
     }
 
@@ -1306,7 +1314,13 @@ impl<B: Backend> Inner<B> {
     /// outside; returns the guards that covered part of it.
     fn take_guards(&mut self, start: u64, end: u64) -> Vec<Guard> {
         let found = self.guards_in(start, end);
-        for &(at, g) in &found {
+        self.remove_guards(start, end, &found);
+        found.into_iter().map(|(_, g)| g).collect()
+    }
+
+    /// [`Inner::take_guards`], given the guards `guards_in` found there.
+    fn remove_guards(&mut self, start: u64, end: u64, found: &[(u64, Guard)]) {
+        for &(at, g) in found {
             self.guards.remove(&at);
             if at < start {
                 self.guards.insert(at, Guard { end: start, ..g });
@@ -1315,7 +1329,6 @@ impl<B: Backend> Inner<B> {
                 self.guards.insert(end, g);
             }
         }
-        found.into_iter().map(|(_, g)| g).collect()
     }
 
     /// The guards overlapping `[start, end)`.
