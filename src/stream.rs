@@ -85,8 +85,8 @@ pub(crate) struct PoolFrees {
 }
 
 impl PoolFrees {
-    #[inline]
     /// A free on the hot path.
+    #[inline]
     pub(crate) fn push(&mut self, p: Pending) {
         self.last_free = p.seq;
         self.bytes += p.size;
@@ -374,6 +374,19 @@ mod tests {
         assert_eq!(f.take(512, 4).map(|p| p.seq), Some(4));
         assert!(f.is_empty());
         assert_eq!(f.bytes, 0);
+    }
+
+    #[test]
+    fn the_hot_path_reuses_only_against_its_credit() {
+        let mut f = frees(&[(256, 1), (512, 2)]);
+        assert_eq!(f.credit, 768);
+        assert_eq!(f.reuse(512).map(|p| p.seq), Some(2));
+        assert_eq!((f.credit, f.reuses), (256, 1));
+        // Settled by the pool: the block is still pending, but the hot path
+        // may not take it; the pool's slow path will.
+        f.credit = 0;
+        assert!(f.reuse(256).is_none());
+        assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(1));
     }
 
     #[test]
