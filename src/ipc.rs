@@ -189,23 +189,18 @@ struct Exported<B: Backend> {
 }
 
 impl<B: Backend> Exports<B> {
-    /// Called by every free: hands the allocation back to be freed now, or
-    /// keeps it (returns `None`) while another process holds a lease on it.
+    /// Whether no allocation is exported: then a free need not call
+    /// [`Exports::on_free`].
     #[inline]
-    pub(crate) fn on_free(
-        &self,
-        allocation: Allocation,
-        stream: Option<&Arc<StreamShared<B>>>,
-    ) -> Option<Allocation> {
-        if self.live.load(Ordering::Acquire) == 0 {
-            return Some(allocation);
-        }
-        self.on_free_exported(allocation, stream)
+    pub(crate) fn none(&self) -> bool {
+        self.live.load(Ordering::Acquire) == 0
     }
 
-    /// [`Exports::on_free`] while some allocation is exported.
+    /// Called by a free while some allocation is exported: hands the
+    /// allocation back to be freed now, or keeps it (returns `None`) while
+    /// another process holds a lease on it.
     #[cold]
-    fn on_free_exported(
+    pub(crate) fn on_free(
         &self,
         allocation: Allocation,
         stream: Option<&Arc<StreamShared<B>>>,

@@ -700,8 +700,12 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
-        let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) else {
-            return Ok(());
+        let allocation = match self.0.exports.none() {
+            true => allocation,
+            false => match self.0.exports.on_free(allocation, Some(&stream.0)) {
+                Some(allocation) => allocation,
+                None => return Ok(()),
+            },
         };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
         self.record_free(&allocation, stream.0.id);
@@ -821,8 +825,12 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
-        let Some(allocation) = self.0.exports.on_free(allocation, None) else {
-            return Ok(());
+        let allocation = match self.0.exports.none() {
+            true => allocation,
+            false => match self.0.exports.on_free(allocation, None) {
+                Some(allocation) => allocation,
+                None => return Ok(()),
+            },
         };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.record_free(&allocation, 0);
