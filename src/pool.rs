@@ -727,8 +727,14 @@ impl<B: Backend> Pool<B> {
             // First pending free of this stream here: register it with the
             // pool (its lock comes first), then retry.
             drop(st);
-            self.lock().register(&stream.0);
+            self.register(&stream.0);
         }
+    }
+
+    /// Out of line: a stream registers once, then frees on the hot path.
+    #[cold]
+    fn register(&self, stream: &Arc<StreamShared<B>>) {
+        self.lock().register(stream);
     }
 
     /// Unlike `cudaMallocFromPoolAsync`, which takes a stream of any
@@ -777,6 +783,19 @@ impl<B: Backend> Pool<B> {
                 return Ok(self.hand_out(size, p, s.id));
             }
         }
+        self.allocate_locked(size, rounded, stream)
+    }
+
+    /// [`Pool::allocate_with`] under the pool's lock: the heap, other
+    /// streams' frees, growth, and out-of-memory handling. Out of line, so
+    /// that the hot path stays small.
+    #[inline(never)]
+    fn allocate_locked(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
