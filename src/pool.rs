@@ -685,6 +685,7 @@ impl<B: Backend> Pool<B> {
     /// once; memory freed on other streams as the pool's reuse switches
     /// allow (SPEC.md section 3), possibly by making `stream` wait for the
     /// free.
+    #[inline]
     pub fn allocate_async(&self, size: u64, stream: &Stream<B>) -> Result<Allocation> {
         self.same_device(stream)?;
         self.allocate_with(size, Some(&stream.0))
@@ -693,6 +694,7 @@ impl<B: Backend> Pool<B> {
     /// Frees `allocation` in stream order on `stream`: the memory goes back
     /// to the pool once the work queued on `stream` so far has run. The
     /// stream must be ordered after every use of the allocation.
+    #[inline]
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
         if allocation.pool != self.0.id {
             return Err(Error::WrongPool {
