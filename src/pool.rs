@@ -754,6 +754,7 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    #[inline]
     fn allocate_with(
         &self,
         size: u64,
