@@ -124,8 +124,7 @@ fn behind_queued_work<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Re
     let queued = b.create_event(DEV)?;
     let rw = [AccessDesc::read_write(DEV)];
     println!(
-        "
-behind {} ms of queued work (us; and whether that work was still queued after the step)",
+        "\nbehind {} ms of queued work (us; and whether that work was still queued after the step)",
         DELAY.as_millis()
     );
     let step = |what: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
