@@ -92,6 +92,13 @@ impl PoolFrees {
         self.bytes += p.size;
         self.credit += p.size;
         self.frees += 1;
+        self.file(p);
+    }
+
+    /// Files `p` as the latest pending block, moving the one before it to
+    /// `by_size`.
+    #[inline]
+    fn file(&mut self, p: Pending) {
         if let Some(older) = self.latest.replace(p) {
             self.by_size.entry(older.size).or_default().push(older);
         }
@@ -170,9 +177,7 @@ impl PoolFrees {
         // the latest goes back to `latest`.
         keep.sort_unstable_by_key(|p| p.seq);
         for p in keep {
-            if let Some(older) = self.latest.replace(p) {
-                self.by_size.entry(older.size).or_default().push(older);
-            }
+            self.file(p);
         }
         self.bytes -= out.iter().map(|p| p.size).sum::<u64>();
         out.sort_unstable_by_key(|p| p.seq);
