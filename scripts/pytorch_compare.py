@@ -151,12 +151,16 @@ def child(args):
     shapes, step = BUILD[args.workload](torch, dev, rng, args.steps)
 
     losses, times, device_peak = [], [], 0
+    # vmpool only: which steps went to the driver (grew or moved chunks).
+    driver_steps = []
     for shape in shapes:
+        before = driver_work(vmpool)
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(step(shape))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        driver_steps.append(driver_work(vmpool) != before)
         free, _ = torch.cuda.mem_get_info()
         device_peak = max(device_peak, total - free - baseline)
 
@@ -168,6 +172,15 @@ def child(args):
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         extra = {}
     timed = times[WARMUP:] or times
+    if vmpool is not None:
+        # Steps after the warm-up, split by whether they grew or moved chunks:
+        # tells the driver's share of the step time from the rest.
+        split = list(zip(times, driver_steps))[WARMUP:] or list(zip(times, driver_steps))
+        with_driver = [t for t, d in split if d]
+        without = [t for t, d in split if not d]
+        extra["steps_with_driver_work"] = len(with_driver)
+        extra["ms_median_with_driver_work"] = 1000 * statistics.median(with_driver) if with_driver else None
+        extra["ms_median_without_driver_work"] = 1000 * statistics.median(without) if without else None
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
@@ -187,8 +200,20 @@ def child(args):
 # ---- the comparison (parent) ---------------------------------------------------
 
 
+def driver_work(vmpool):
+    """vmpool's counts of growths and moves so far (None for other allocators)."""
+    if vmpool is None:
+        return None
+    s = vmpool.stats()
+    return s["grows"], s["remaps"]
+
+
 def is_vmpool(allocator):
     return allocator == "vmpool" or allocator.startswith("vmpool@")
+
+
+def fmt_ms(ms):
+    return "-" if ms is None else f"{ms:.2f} ms"
 
 
 def check_allocator(allocator):
@@ -267,6 +292,11 @@ def main():
                       f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
                       f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
                       f"({r['wall_s']:.0f} s)", flush=True)
+                if "steps_with_driver_work" in r:
+                    print(f"{'':15} {'':16} timed steps that grew or moved chunks: {r['steps_with_driver_work']}, "
+                          f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
+                          f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms",
+                          flush=True)
 
     print()
     print(f"Each row: {args.repeats} run(s). Footprint: the run with the highest ratio. Time: the median "
