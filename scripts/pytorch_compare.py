@@ -151,8 +151,8 @@ def child(args):
     shapes, step = BUILD[args.workload](torch, dev, rng, args.steps)
 
     losses, times, device_peak = [], [], 0
-    # vmpool only: which steps went to the driver (grew or moved chunks).
-    driver_steps = []
+    # vmpool only: chunks each step mapped (new or moved).
+    step_maps = []
     for shape in shapes:
         before = driver_work(vmpool)
         torch.cuda.synchronize()
@@ -160,7 +160,8 @@ def child(args):
         losses.append(step(shape))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        driver_steps.append(driver_work(vmpool) != before)
+        if vmpool is not None:
+            step_maps.append(driver_work(vmpool) - before)
         free, _ = torch.cuda.mem_get_info()
         device_peak = max(device_peak, total - free - baseline)
 
@@ -175,9 +176,10 @@ def child(args):
     if vmpool is not None:
         # Steps after the warm-up, split by whether they grew or moved chunks:
         # tells the driver's share of the step time from the rest.
-        split = list(zip(times, driver_steps))[WARMUP:] or list(zip(times, driver_steps))
-        with_driver = [t for t, d in split if d]
-        without = [t for t, d in split if not d]
+        split = list(zip(times, step_maps))[WARMUP:] or list(zip(times, step_maps))
+        with_driver = [t for t, maps in split if maps]
+        without = [t for t, maps in split if not maps]
+        extra["step_maps"] = step_maps
         extra["steps_with_driver_work"] = len(with_driver)
         extra["ms_median_with_driver_work"] = 1000 * statistics.median(with_driver) if with_driver else None
         extra["ms_median_without_driver_work"] = 1000 * statistics.median(without) if without else None
@@ -202,11 +204,11 @@ def child(args):
 
 
 def driver_work(vmpool):
-    """vmpool's counts of growths and moves so far (None for other allocators)."""
+    """Chunks vmpool has mapped so far, new or moved (0 for other allocators)."""
     if vmpool is None:
-        return None
+        return 0
     s = vmpool.stats()
-    return s["grows"], s["remaps"]
+    return s["chunks_created"] + s["remaps"]
 
 
 def is_vmpool(allocator):
@@ -304,7 +306,8 @@ def main():
                       f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
                       f"({r['wall_s']:.0f} s)", flush=True)
                 if "steps_with_driver_work" in r:
-                    print(f"{'':15} {'':16} timed steps that grew or moved chunks: {r['steps_with_driver_work']}, "
+                    print(f"{'':15} {'':16} timed steps that mapped chunks: {r['steps_with_driver_work']} "
+                          f"({sum(r['step_maps'][WARMUP:])} chunks), "
                           f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
                           f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms",
                           flush=True)
