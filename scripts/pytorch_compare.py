@@ -215,14 +215,14 @@ def is_vmpool(allocator):
     return allocator == "vmpool" or allocator.startswith("vmpool@")
 
 
-def step_by_step(runs, native_runs):
-    """Median over the timed steps of (fastest run of the step / native's
-    fastest run of it): the steps' shapes are the same under every allocator."""
-    def fastest(rs):
-        return [min(steps) for steps in zip(*(r["step_ms"] for r in rs))]
-
-    mine, theirs = fastest(runs), fastest(native_runs)
-    return statistics.median(a / b for a, b in list(zip(mine, theirs))[WARMUP:])
+def step_time(runs):
+    """Each timed step's median over the runs, averaged over the steps (ms).
+    Every run of a workload takes the same shapes in the same order (same
+    seed), so step i is the same work in every run and under every
+    allocator; its median over runs drops a slow moment of the machine
+    that the mean over one run's steps would keep."""
+    steps = [statistics.median(times) for times in zip(*(r["step_ms"] for r in runs))]
+    return statistics.fmean(steps[WARMUP:] or steps)
 
 
 def fmt_ms(ms):
@@ -268,6 +268,54 @@ def same(a, b):
     return all(x == y or (math.isclose(x, y, rel_tol=1e-3)) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def table(results):
+    """Prints the summary table of `results` (as --json writes them);
+    whether some losses differ from native's."""
+    failed = False
+    repeats = max(r["repeat"] for r in results) + 1
+    print()
+    print(f"Each row: {repeats} run(s). Footprint: the run with the highest ratio. Time: each step "
+          "after the warm-up takes its median over the runs (a step has the same shapes in every run and "
+          "under every allocator), and those are averaged; in brackets, the range of the runs' own mean "
+          "step times. 'vs native' divides the averages.")
+    print()
+    print("| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
+          "| reserved / allocated | ms per step (range of runs) | vs native | losses |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        summary = {}
+        for allocator in dict.fromkeys(r["allocator"] for r in results):
+            runs = [r for r in results if r["workload"] == workload and r["allocator"] == allocator]
+            if runs:
+                times = [r["ms_per_step"] for r in runs]
+                summary[allocator] = (max(runs, key=lambda r: r["ratio"]), step_time(runs),
+                                      min(times), max(times), runs)
+        native = summary.get("native")
+        for allocator, (worst, step, low, high, runs) in summary.items():
+            if native is None:
+                check, speed = "no native run", "-"
+            elif allocator == "native":
+                check, speed = "reference", "1.000"
+            else:
+                reference = native[4][0]["losses"]
+                checks = ["equal" if r["losses"] == reference
+                          else ("within 1e-3" if same(r["losses"], reference) else "DIFFER") for r in runs]
+                check = "DIFFER" if "DIFFER" in checks else ("within 1e-3" if "within 1e-3" in checks else "equal")
+                failed |= check == "DIFFER"
+                speed = f"{step / native[1]:.3f}"
+            print(f"| {workload} | {allocator} | {worst['peak_reserved'] / MIB:.1f} | {worst['device_peak'] / MIB:.1f} "
+                  f"| {worst['peak_allocated'] / MIB:.1f} | {worst['ratio']:.4f} | {step:.2f} ({low:.2f}-{high:.2f}) "
+                  f"| {speed} | {check} |")
+        others = [v[0]["ratio"] for a, v in summary.items() if not is_vmpool(a)]
+        for allocator, v in summary.items():
+            if not others or not is_vmpool(allocator):
+                continue
+            ratio = v[0]["ratio"]
+            print(f"|   bar | {allocator} ratio {ratio:.4f} vs best of PyTorch's {min(others):.4f} "
+                  f"and 1.02: {'met' if ratio <= min(min(others), 1.02) else 'NOT met'} | | | | | | | |")
+    return failed
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -280,11 +328,14 @@ def main():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
     p.add_argument("--json", help="write all results here")
+    p.add_argument("--table", metavar="JSON", help="print the table of an earlier run's --json and exit")
     p.add_argument("--record", metavar="DIR", help="vmpool runs write their allocation traces here "
                    "(VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay")
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.table:
+        return 1 if table(json.loads(Path(args.table).read_text())) else 0
 
     allocators = args.allocators.split(",")
     for allocator in allocators:
@@ -312,48 +363,7 @@ def main():
                           f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms",
                           flush=True)
 
-    print()
-    print(f"Each row: {args.repeats} run(s). Footprint: the run with the highest ratio. Time: the median "
-          "over runs of the mean step time (after the warm-up steps), with the range over runs; "
-          "'vs native' divides medians. 'Step by step': every step has the same shapes under each "
-          "allocator (same seed), so each timed step's fastest run is divided by native's fastest run "
-          "of that step; the median of those ratios.")
-    print()
-    print("| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
-          "| reserved / allocated | ms per step (range) | vs native | step by step | losses |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for workload in args.workloads.split(","):
-        summary = {}
-        for allocator in allocators:
-            runs = [r for r in results if r["workload"] == workload and r["allocator"] == allocator]
-            if runs:
-                times = [r["ms_per_step"] for r in runs]
-                summary[allocator] = (max(runs, key=lambda r: r["ratio"]), statistics.median(times),
-                                      min(times), max(times), runs)
-        native = summary.get("native")
-        for allocator, (worst, median, low, high, runs) in summary.items():
-            if native is None:
-                check, speed, paired = "no native run", "-", "-"
-            elif allocator == "native":
-                check, speed, paired = "reference", "1.000", "1.000"
-            else:
-                reference = native[4][0]["losses"]
-                checks = ["equal" if r["losses"] == reference
-                          else ("within 1e-3" if same(r["losses"], reference) else "DIFFER") for r in runs]
-                check = "DIFFER" if "DIFFER" in checks else ("within 1e-3" if "within 1e-3" in checks else "equal")
-                failed |= check == "DIFFER"
-                speed = f"{median / native[1]:.3f}"
-                paired = f"{step_by_step(runs, native[4]):.3f}"
-            print(f"| {workload} | {allocator} | {worst['peak_reserved'] / MIB:.1f} | {worst['device_peak'] / MIB:.1f} "
-                  f"| {worst['peak_allocated'] / MIB:.1f} | {worst['ratio']:.4f} | {median:.2f} ({low:.2f}-{high:.2f}) "
-                  f"| {speed} | {paired} | {check} |")
-        others = [v[0]["ratio"] for a, v in summary.items() if not is_vmpool(a)]
-        for allocator, v in summary.items():
-            if not others or not is_vmpool(allocator):
-                continue
-            ratio = v[0]["ratio"]
-            print(f"|   bar | {allocator} ratio {ratio:.4f} vs best of PyTorch's {min(others):.4f} "
-                  f"and 1.02: {'met' if ratio <= min(min(others), 1.02) else 'NOT met'} | | | | | | | | |")
+    failed |= table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
