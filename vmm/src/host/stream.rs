@@ -5,12 +5,15 @@
 //! it; the event remembers its latest point, so a query or a wait sees
 //! exactly the work captured by the last record, as in CUDA. A stream that
 //! waits on an event queues a wait on the point current at that moment.
+//! On a stream with nothing queued, a record completes its point at once,
+//! as a GPU completes an event on an idle stream within microseconds: what
+//! a caller sees then does not depend on when the worker thread runs.
 //!
 //! A failed operation (an access to unmapped memory, say) makes its stream
 //! faulted: later operations are skipped and every later point completes
 //! with the error, which the next synchronize or query reports.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::Duration;
@@ -90,21 +93,37 @@ enum Op {
     Wait(Arc<Point>),
 }
 
+/// What a stream's worker shares with the stream's callers.
+#[derive(Default)]
+struct Progress {
+    /// Operations sent and not yet finished.
+    queued: AtomicUsize,
+    /// The error that faulted the stream, if one did.
+    fault: Mutex<Option<Error>>,
+}
+
 /// A host-backend stream. Dropping it lets queued work finish, then the
 /// worker thread exits.
 pub struct HostStream {
     device: DeviceId,
     ops: mpsc::Sender<Op>,
+    progress: Arc<Progress>,
 }
 
 impl HostStream {
     pub(super) fn spawn(device: DeviceId, memory: Arc<Memory>) -> Result<Self> {
         let (ops, queue) = mpsc::channel();
+        let progress = Arc::new(Progress::default());
+        let shared = Arc::clone(&progress);
         thread::Builder::new()
             .name(format!("vmm-host-stream-{}", device.0))
-            .spawn(move || run(device, &memory, queue))
+            .spawn(move || run(device, &memory, queue, &shared))
             .map_err(|e| Error::rejected("create_stream", ErrorKind::Other, e.to_string()))?;
-        Ok(Self { device, ops })
+        Ok(Self {
+            device,
+            ops,
+            progress,
+        })
     }
 
     pub fn device(&self) -> DeviceId {
@@ -114,9 +133,22 @@ impl HostStream {
     fn send(&self, op: Op) -> Result<()> {
         // The worker only exits once this sender is gone, so a send cannot
         // fail while `self` exists, short of the worker panicking.
-        self.ops
-            .send(op)
-            .map_err(|_| Error::rejected("stream", ErrorKind::Other, "stream worker has died"))
+        self.progress.queued.fetch_add(1, Ordering::AcqRel);
+        self.ops.send(op).map_err(|_| {
+            self.progress.queued.fetch_sub(1, Ordering::AcqRel);
+            Error::rejected("stream", ErrorKind::Other, "stream worker has died")
+        })
+    }
+
+    /// Queues `point`, or completes it at once when nothing is queued
+    /// before it (with the stream's fault, if it has one).
+    fn signal(&self, point: &Arc<Point>) -> Result<()> {
+        if self.progress.queued.load(Ordering::Acquire) == 0 {
+            // The worker finished everything sent so far, faults included.
+            point.complete(&lock(&self.progress.fault));
+            return Ok(());
+        }
+        self.send(Op::Signal(Arc::clone(point)))
     }
 
     pub(super) fn fill(&self, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
@@ -143,14 +175,15 @@ impl HostStream {
 
     pub(super) fn synchronize(&self) -> Result<()> {
         let point = Point::new();
-        self.send(Op::Signal(Arc::clone(&point)))?;
+        self.signal(&point)?;
         point.wait()
     }
 }
 
-fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>) {
+fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>, progress: &Progress) {
     let mut fault: Option<Error> = None;
     for op in queue {
+        let faulted = fault.is_some();
         match op {
             Op::Signal(point) => point.complete(&fault),
             Op::Wait(point) => {
@@ -178,6 +211,10 @@ fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>) {
             }
             Op::Delay(duration) => thread::sleep(duration),
         }
+        if !faulted && fault.is_some() {
+            *lock(&progress.fault) = fault.clone();
+        }
+        progress.queued.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -213,7 +250,7 @@ impl HostEvent {
         // Hold the event's lock across the send so that two records racing
         // on one event leave it pointing at the later of the two.
         let mut latest = lock(&self.latest);
-        stream.send(Op::Signal(Arc::clone(&point)))?;
+        stream.signal(&point)?;
         *latest = Some(point);
         Ok(())
     }
