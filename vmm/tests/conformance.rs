@@ -479,6 +479,27 @@ cases!(suite, host);
 #[cfg(feature = "gpu-tests")]
 cases!(suite, cuda);
 
+// ---- host only: timing the GPU gives no guarantee of -------------------------
+
+/// On an idle stream the host completes a recorded event at once (a GPU
+/// does within microseconds), so that replays that record events behave the
+/// same on every run.
+#[test]
+fn host_record_on_an_idle_stream_completes_at_once() {
+    let b = open::host();
+    let s = b.create_stream(DEV).unwrap();
+    let e = b.create_event(DEV).unwrap();
+    for _ in 0..100 {
+        b.record_event(&e, &s).unwrap();
+        assert_eq!(b.query_event(&e).unwrap(), EventStatus::Complete);
+    }
+    // Behind queued work it waits for the work, as `event_query` checks.
+    b.delay(&s, DELAY).unwrap();
+    b.record_event(&e, &s).unwrap();
+    assert_eq!(b.query_event(&e).unwrap(), EventStatus::Pending);
+    b.synchronize_event(&e).unwrap();
+}
+
 // ---- host only: faults that would poison a CUDA context ---------------------
 
 mod host_faults {
