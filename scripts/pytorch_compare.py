@@ -17,6 +17,10 @@ Models are random-initialised from their configurations; nothing is
 downloaded. Every run uses the same seed and the same sequence of shapes,
 so the per-step losses (or generated tokens) must match native's.
 
+`--workloads gather-probe` runs a probe instead of a model: random reads
+over one 16 GiB tensor, to see whether the way an allocator maps its memory
+changes how fast kernels run.
+
     python3 scripts/pytorch_compare.py [--steps N] [--repeats R] [--workloads a,b]
                                        [--allocators a,b] [--json OUT.json] [--record DIR]
 
@@ -46,6 +50,8 @@ ALLOCATORS = {
     "vmpool": "",
 }
 WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
+# Not models: run only when named in --workloads.
+PROBES = ["gather-probe"]
 WARMUP = 3
 MIB = 1 << 20
 
@@ -125,7 +131,29 @@ def resnet50_train(torch, dev, rng, steps):
     return shapes, step
 
 
-BUILD = {"gpt2-train": gpt2_train, "gpt2-generate": gpt2_generate, "resnet50-train": resnet50_train}
+def gather_probe(torch, dev, rng, steps):
+    """Not a model: every step reads the same 64 Mi random 4-byte words of
+    one 16 GiB tensor. Such reads miss the GPU's address-translation caches,
+    so the step time shows whether the way an allocator maps its memory
+    (one allocation, 32 MiB chunks, 2 MiB chunks) changes how fast kernels
+    run."""
+    src = torch.arange(4 << 30, device=dev, dtype=torch.float32)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(rng.randrange(1 << 30))
+    idx = torch.randint(0, src.numel(), (1 << 26,), device=dev, generator=gen)
+
+    def step(_):
+        return float(src[idx].sum().item())
+
+    return [None] * steps, step
+
+
+BUILD = {
+    "gpt2-train": gpt2_train,
+    "gpt2-generate": gpt2_generate,
+    "resnet50-train": resnet50_train,
+    "gather-probe": gather_probe,
+}
 
 
 def child(args):
@@ -319,9 +347,10 @@ def table(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--workload", choices=WORKLOADS)
+    p.add_argument("--workload", choices=WORKLOADS + PROBES)
     p.add_argument("--allocator")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"from {', '.join(WORKLOADS + PROBES)}")
     p.add_argument("--allocators", default=",".join(ALLOCATORS))
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=1, help="runs of each allocator, interleaved")
@@ -340,6 +369,9 @@ def main():
     allocators = args.allocators.split(",")
     for allocator in allocators:
         check_allocator(allocator)
+    for workload in args.workloads.split(","):
+        if workload not in BUILD:
+            raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(BUILD)}")
     results, failed = [], False
     for workload in args.workloads.split(","):
         # Repeats interleave the allocators (A B C A B C ...), so that a
