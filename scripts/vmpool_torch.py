@@ -36,6 +36,8 @@ _FIELDS = [
     "largest_free_range",
     "pending_bytes",
     "refused_frees",
+    "timed_calls",
+    "call_nanos",
 ]
 
 

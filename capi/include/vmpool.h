@@ -13,6 +13,8 @@
  *                             (default warn; errors are always logged)
  *   VMPOOL_RECORD             path prefix: each pool writes its trace there
  *   VMPOOL_BACKEND            cuda (default) or host (tests without a GPU)
+ *   VMPOOL_TIMING             1: time vmpool_alloc and vmpool_free (timed_calls
+ *                             and call_nanos in vmpool_stats); default 0
  *
  * A bad setting stops the library from starting: every allocation then
  * returns NULL, and the reason is logged.
@@ -69,6 +71,7 @@ typedef struct {
     uint64_t largest_free_range;
     uint64_t pending_bytes; /* freed in stream order, not yet free for all */
     uint64_t refused_frees;
+    uint64_t timed_calls, call_nanos; /* VMPOOL_TIMING=1: alloc and free calls, and their time */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */

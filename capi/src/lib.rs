@@ -210,6 +210,10 @@ pub struct VmpoolStats {
     pub pending_bytes: u64,
     /// Frees refused: pointers vmpool did not hand out, or not any more.
     pub refused_frees: u64,
+    /// With `VMPOOL_TIMING=1`: `vmpool_alloc` and `vmpool_free` calls
+    /// timed, and the nanoseconds spent in them.
+    pub timed_calls: u64,
+    pub call_nanos: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -231,6 +235,8 @@ impl From<Figures> for VmpoolStats {
             largest_free_range: s.largest_free_range,
             pending_bytes: s.pending_bytes,
             refused_frees: f.refused_frees,
+            timed_calls: f.timed_calls,
+            call_nanos: f.call_nanos,
         }
     }
 }

@@ -15,6 +15,7 @@
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 use vmpool::vmm::{Backend, DeviceId};
@@ -81,6 +82,10 @@ pub struct Config {
     /// backend's devices; default 1 of 4 GiB.
     pub host_devices: u32,
     pub host_memory: u64,
+    /// `VMPOOL_TIMING`: `1` to time every `vmpool_alloc` and `vmpool_free`
+    /// (two clock reads a call) and report the total in the statistics;
+    /// default `0`.
+    pub timing: bool,
 }
 
 impl Config {
@@ -117,6 +122,17 @@ impl Config {
                 }
             },
         };
+        let timing = match lookup("VMPOOL_TIMING").as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(ConfigError::Other {
+                    name: "VMPOOL_TIMING",
+                    value: other.to_owned(),
+                    expected: "0 or 1",
+                })
+            }
+        };
         let chunk_size = match lookup("VMPOOL_CHUNK_SIZE") {
             None => None,
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
@@ -127,6 +143,7 @@ impl Config {
             chunk_size,
             host_devices,
             host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
+            timing,
         })
     }
 }
@@ -162,6 +179,9 @@ struct Device<B: Backend> {
     live: Mutex<FxHashMap<u64, Allocation>>,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
     refused_frees: AtomicU64,
+    /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their time.
+    timed_calls: AtomicU64,
+    call_nanos: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -182,6 +202,8 @@ pub struct Figures {
     pub used_high: u64,
     pub stats: PoolStats,
     pub refused_frees: u64,
+    pub timed_calls: u64,
+    pub call_nanos: u64,
 }
 
 impl<B: Backend> Shim<B> {
@@ -196,6 +218,8 @@ impl<B: Backend> Shim<B> {
                 streams: RwLock::default(),
                 live: Mutex::default(),
                 refused_frees: AtomicU64::new(0),
+                timed_calls: AtomicU64::new(0),
+                call_nanos: AtomicU64::new(0),
             })
             .collect();
         Ok(Self {
@@ -272,6 +296,23 @@ impl<B: Backend> Shim<B> {
     /// zero bytes, as `cudaMallocAsync` gives NULL.
     pub fn alloc(&self, size: i64, device: i64, stream: usize) -> Result<u64, CallError> {
         let dev = self.device(device)?;
+        self.timed(dev, || self.alloc_on(dev, size, stream))
+    }
+
+    /// `f()`, counted in `dev`'s call time when timing is on.
+    fn timed<T>(&self, dev: &Device<B>, f: impl FnOnce() -> T) -> T {
+        if !self.config.timing {
+            return f();
+        }
+        let start = Instant::now();
+        let out = f();
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        dev.call_nanos.fetch_add(nanos, Ordering::Relaxed);
+        dev.timed_calls.fetch_add(1, Ordering::Relaxed);
+        out
+    }
+
+    fn alloc_on(&self, dev: &Device<B>, size: i64, stream: usize) -> Result<u64, CallError> {
         let size = u64::try_from(size).map_err(|_| CallError::Size(size))?;
         if size == 0 {
             return Ok(0);
@@ -292,6 +333,16 @@ impl<B: Backend> Shim<B> {
             return Ok(());
         }
         let dev = self.device(device)?;
+        self.timed(dev, || self.free_on(dev, ptr, size, stream))
+    }
+
+    fn free_on(
+        &self,
+        dev: &Device<B>,
+        ptr: u64,
+        size: i64,
+        stream: usize,
+    ) -> Result<(), CallError> {
         let Some(allocation) = lock(&dev.live).remove(&ptr) else {
             dev.refused_frees.fetch_add(1, Ordering::Relaxed);
             return Err(CallError::NotOurs {
@@ -371,18 +422,20 @@ impl<B: Backend> Shim<B> {
     /// The device's figures; all zero before its first allocation.
     pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
         let dev = self.device(device)?;
-        let refused_frees = dev.refused_frees.load(Ordering::Relaxed);
+        let calls = Figures {
+            refused_frees: dev.refused_frees.load(Ordering::Relaxed),
+            timed_calls: dev.timed_calls.load(Ordering::Relaxed),
+            call_nanos: dev.call_nanos.load(Ordering::Relaxed),
+            ..Figures::default()
+        };
         Ok(match dev.pool.get() {
             Some(pool) => Figures {
                 reserved_high: pool.attribute(PoolAttribute::ReservedMemHigh),
                 used_high: pool.attribute(PoolAttribute::UsedMemHigh),
                 stats: pool.stats(),
-                refused_frees,
+                ..calls
             },
-            None => Figures {
-                refused_frees,
-                ..Figures::default()
-            },
+            None => calls,
         })
     }
 
@@ -442,6 +495,15 @@ mod tests {
             let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
         }
+    }
+
+    #[test]
+    fn timing_switch() {
+        assert!(!config(&[]).unwrap().timing);
+        assert!(config(&[("VMPOOL_TIMING", "1")]).unwrap().timing);
+        assert!(!config(&[("VMPOOL_TIMING", "0")]).unwrap().timing);
+        let err = config(&[("VMPOOL_TIMING", "yes")]).unwrap_err();
+        assert!(err.to_string().contains("VMPOOL_TIMING"), "{err}");
     }
 
     #[test]

@@ -22,6 +22,7 @@ fn setup() {
         std::env::set_var("VMPOOL_HOST_DEVICES", "5");
         std::env::set_var("VMPOOL_HOST_MEMORY", "1GiB");
         std::env::set_var("VMPOOL_RELEASE_THRESHOLD", "0");
+        std::env::set_var("VMPOOL_TIMING", "1");
     });
     let backend = backend_name(vmpool_backend());
     assert_eq!(backend, "host");
@@ -88,6 +89,9 @@ fn round_trip_and_figures() {
     let s = stats(d);
     assert_eq!((s.reserved_high, s.used_high), (0, 0));
     assert_eq!(s.refused_frees, 0);
+    // VMPOOL_TIMING=1: every allocation and free above, timed.
+    assert_eq!(s.timed_calls, 2 * sizes.len() as u64 + 2);
+    assert!(s.call_nanos > 0);
 }
 
 #[test]
