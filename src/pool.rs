@@ -387,6 +387,11 @@ impl<B: Backend> Space<B> {
 /// Allocations below this size share the small arena.
 pub const SMALL_LIMIT: u64 = 1 << 20;
 
+/// How many stream-ordered allocations that take the pool's lock share one
+/// look for completed frees on the way in (an event query per stream with
+/// frees pending).
+const COLLECT_EVERY: u32 = 4;
+
 /// A unit with no live byte: (address, size, the free heap block holding it).
 type FreeUnit = (u64, u64, BlockId);
 
@@ -474,6 +479,9 @@ struct Inner<B: Backend> {
     /// The reuse switches, in order: follow event dependencies,
     /// opportunistic, internal dependencies.
     reuse: [bool; 3],
+    /// Stream-ordered allocations that took the lock since the pool last
+    /// looked for completed frees on the way in (see [`Inner::allocate`]).
+    unchecked: u32,
     stats: PoolStats,
     /// Streams with pending frees in this pool, by stream id. The frees
     /// themselves live in the stream (see `stream.rs`).
@@ -601,6 +609,7 @@ impl<B: Backend> Pool<B> {
                 used_high: 0,
                 release_threshold: 0,
                 reuse: [true; 3],
+                unchecked: 0,
                 stats: PoolStats::default(),
                 streams: FxHashMap::default(),
                 idle_events: Vec::new(),
@@ -1189,8 +1198,16 @@ impl<B: Backend> Inner<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
         let arena = usize::from(size >= SMALL_LIMIT);
+        // Opportunistic reuse: frees whose events have completed go back to
+        // the heap. Every stream-ordered miss used to ask the driver; now
+        // one in COLLECT_EVERY does, which is enough to keep guards and
+        // aliases from piling up. Before it grows, the pool asks always.
         if stream.is_some() && self.reuse[1] {
-            self.collect_completed(space)?;
+            self.unchecked += 1;
+            if self.unchecked >= COLLECT_EVERY {
+                self.unchecked = 0;
+                self.collect_completed(space)?;
+            }
         }
         // Blocks the guards keep from this allocation, held while it looks
         // further and given back at the end.
