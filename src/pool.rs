@@ -1199,9 +1199,10 @@ impl<B: Backend> Inner<B> {
     ) -> Result<Pending> {
         let arena = usize::from(size >= SMALL_LIMIT);
         // Opportunistic reuse: frees whose events have completed go back to
-        // the heap. Every stream-ordered miss used to ask the driver; now
-        // one in COLLECT_EVERY does, which is enough to keep guards and
-        // aliases from piling up. Before it grows, the pool asks always.
+        // the heap. One stream-ordered miss in COLLECT_EVERY looks (an
+        // event query per stream with frees pending), which keeps guards
+        // and aliases from piling up; before it grows, the pool always
+        // looks.
         if stream.is_some() && self.reuse[1] {
             self.unchecked += 1;
             if self.unchecked >= COLLECT_EVERY {
