@@ -126,11 +126,19 @@ impl PoolProps {
 struct Recorder {
     out: BufWriter<File>,
     next_id: u64,
+    /// The line being written: formatted whole before it goes to `out`, so
+    /// that the buffer never reaches the file with half a line in it. A
+    /// program that ends without flushing (pools are often never dropped)
+    /// then leaves a shorter trace, not a broken one.
+    line: String,
 }
 
 impl Recorder {
     fn line(&mut self, args: std::fmt::Arguments<'_>) {
-        if let Err(err) = self.out.write_fmt(args) {
+        self.line.clear();
+        // Formatting into a String does not fail.
+        let _ = std::fmt::Write::write_fmt(&mut self.line, args);
+        if let Err(err) = self.out.write_all(self.line.as_bytes()) {
             tracing::warn!(%err, "writing the allocation trace failed");
         }
     }
@@ -574,6 +582,7 @@ impl<B: Backend> Pool<B> {
                 let mut recorder = Recorder {
                     out: BufWriter::new(file),
                     next_id: 1,
+                    line: String::new(),
                 };
                 recorder.line(format_args!(
                     "# vmpool pool {id} on {device}: a <id> <bytes> <stream> | f <id> <stream>\n"

@@ -54,3 +54,37 @@ fn a_recorded_trace_replays() {
     }
     assert_eq!(pool.stats().used_bytes, 0);
 }
+
+/// A program may end without the pool being dropped or flushed (PyTorch's
+/// pools live until exit): what reached the file must still be whole lines,
+/// so that the trace reads back, only shorter.
+#[test]
+fn an_unflushed_trace_ends_on_a_whole_line() {
+    let path = std::env::temp_dir().join(format!("vmpool-unflushed-{}.trace", std::process::id()));
+    let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
+    let pool = ctx
+        .create_pool(&PoolProps {
+            record: Some(path.clone()),
+            ..PoolProps::new(DeviceId(0))
+        })
+        .unwrap();
+    // Lines of many lengths, enough to fill the recorder's buffer many times.
+    for i in 0..5000u64 {
+        let a = pool.allocate(256 + (i * 7919) % 100_000).unwrap();
+        pool.free(a).unwrap();
+    }
+    let written = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        !written.is_empty(),
+        "the buffer filled, so some lines were written"
+    );
+    assert!(
+        written.ends_with('\n'),
+        "the file ends inside a line: {:?}",
+        &written[written.len().saturating_sub(40)..]
+    );
+    let trace = Trace::read(written.as_bytes()).unwrap();
+    assert!(!trace.ops.is_empty());
+    drop(pool);
+    std::fs::remove_file(&path).unwrap();
+}
