@@ -4,20 +4,26 @@
 use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::DeviceId;
-use vmpool::{Context, PoolProps};
+use vmpool::{Context, Pool, PoolProps};
+
+/// A host-backend context and a pool of it that records to `path`.
+fn recording_pool(path: &std::path::Path) -> (Context<Host>, Pool<Host>) {
+    let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
+    let pool = ctx
+        .create_pool(&PoolProps {
+            record: Some(path.to_owned()),
+            ..PoolProps::new(DeviceId(0))
+        })
+        .unwrap();
+    (ctx, pool)
+}
 
 #[test]
 fn a_recorded_trace_replays() {
     let path = std::env::temp_dir().join(format!("vmpool-record-{}.trace", std::process::id()));
     let sizes = [1000u64, 5 << 20, 77, 40 << 20];
     {
-        let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
-        let pool = ctx
-            .create_pool(&PoolProps {
-                record: Some(path.clone()),
-                ..PoolProps::new(DeviceId(0))
-            })
-            .unwrap();
+        let (ctx, pool) = recording_pool(&path);
         let s = ctx.create_stream(DeviceId(0)).unwrap();
         let sync: Vec<_> = sizes.iter().map(|&n| pool.allocate(n).unwrap()).collect();
         let a = pool.allocate_async(123_456, &s).unwrap();
@@ -61,13 +67,7 @@ fn a_recorded_trace_replays() {
 #[test]
 fn an_unflushed_trace_ends_on_a_whole_line() {
     let path = std::env::temp_dir().join(format!("vmpool-unflushed-{}.trace", std::process::id()));
-    let ctx = Context::new(Host::new(HostConfig::default()).unwrap()).unwrap();
-    let pool = ctx
-        .create_pool(&PoolProps {
-            record: Some(path.clone()),
-            ..PoolProps::new(DeviceId(0))
-        })
-        .unwrap();
+    let (_ctx, pool) = recording_pool(&path);
     // Lines of many lengths, enough to fill the recorder's buffer many times.
     for i in 0..5000u64 {
         let a = pool.allocate(256 + (i * 7919) % 100_000).unwrap();
