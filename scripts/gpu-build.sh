@@ -6,6 +6,10 @@
 #   device run, carry ["gpu-bundle"], command: bash gpu-bundle/gpu-run.sh
 #   (on nvidia-h200-x2: bash gpu-bundle/gpu-run.sh multi)
 #
+# BASE_REV=REV scripts/gpu-build.sh also bundles the C library as of REV,
+# as torch/libvmpool_c-<REV>.so, to compare two builds in one PyTorch run:
+#   TORCH_ARGS="--allocators vmpool,vmpool=gpu-bundle/torch/libvmpool_c-<REV>.so ..."
+#
 # The GPU machine has no Rust toolchain; binaries load libcuda at run time,
 # so nothing here needs CUDA installed.
 set -euo pipefail
@@ -48,17 +52,30 @@ done
 cargo build --release -p vmpool-c
 cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py "$bundle/torch/"
 
+# An older build of the C library, for A/B runs.
+base_line=
+if [ -n "${BASE_REV:-}" ]; then
+    rev=$(git rev-parse --short "$BASE_REV")
+    tree=$(mktemp -d)
+    git worktree add --quiet --detach "$tree" "$rev"
+    CARGO_TARGET_DIR="$PWD/target/base" cargo build --release -p vmpool-c --manifest-path "$tree/Cargo.toml"
+    git worktree remove --force "$tree"
+    cp target/base/release/libvmpool_c.so "$bundle/torch/libvmpool_c-$rev.so"
+    base_line="base library: torch/libvmpool_c-$rev.so, built from $(git rev-parse "$rev")"
+fi
+
 # The shared traces and the one recorded here (traces/), for the replay job.
 cp ../shared/traces/*.trace.gz traces/*.trace.gz "$bundle/traces/"
 
 # The device tool carries at most 64 MiB: symbols go (panics still print
 # messages and locations, not function names).
-strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* "$bundle"/torch/libvmpool_c.so
+strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* "$bundle"/torch/libvmpool_c*.so
 
 cp scripts/gpu-run.sh "$bundle/"
 {
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) with $(rustc --version)"
+    [ -z "$base_line" ] || echo "$base_line"
 } >"$bundle/BUILD"
 ls -l "$bundle"/*/
 du -sh "$bundle"

@@ -8,6 +8,9 @@ Runs each workload in a process of its own under each allocator:
     cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
     vmpool            libvmpool_c.so through CUDAPluggableAllocator
     vmpool@SIZE       the same with VMPOOL_CHUNK_SIZE=SIZE (e.g. vmpool@4MiB)
+    vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
+                      compare two builds in one run (scripts/gpu-build.sh
+                      bundles an older one with BASE_REV=REV)
 
 and reports, per run: peak reserved (the allocator's own figure, and the
 device's used memory from cuMemGetInfo, sampled after every step, less what
@@ -242,7 +245,7 @@ def mapped(stats):
 
 
 def is_vmpool(allocator):
-    return allocator == "vmpool" or allocator.startswith("vmpool@")
+    return allocator == "vmpool" or allocator.startswith(("vmpool@", "vmpool="))
 
 
 def step_time(runs):
@@ -260,8 +263,12 @@ def fmt_ms(ms):
 
 
 def check_allocator(allocator):
-    if allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
-        raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)} or vmpool@SIZE")
+    if allocator.startswith("vmpool="):
+        if not Path(allocator.split("=", 1)[1]).is_file():
+            raise SystemExit(f"{allocator!r}: no library at that path")
+    elif allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
+        raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE "
+                         "or vmpool=PATH")
 
 
 def run_child(workload, allocator, args):
@@ -271,6 +278,8 @@ def run_child(workload, allocator, args):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
     if allocator.startswith("vmpool@"):
         env["VMPOOL_CHUNK_SIZE"] = allocator.split("@", 1)[1]
+    if allocator.startswith("vmpool="):
+        env["VMPOOL_LIB"] = str(Path(allocator.split("=", 1)[1]).resolve())
     if is_vmpool(allocator):
         # Two clock reads a call, to show vmpool's share of the step time.
         env["VMPOOL_TIMING"] = "1"
