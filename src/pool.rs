@@ -490,6 +490,10 @@ struct Inner<B: Backend> {
     /// Stream-ordered allocations that took the lock since the pool last
     /// looked for completed frees on the way in (see [`Inner::allocate`]).
     unchecked: u32,
+    /// Reused buffers of the locked path, empty between calls: the guards
+    /// an allocation finds in its range, and a stream's frees being merged.
+    found_guards: Vec<(u64, Guard)>,
+    merging: Vec<Pending>,
     stats: PoolStats,
     /// Streams with pending frees in this pool, by stream id. The frees
     /// themselves live in the stream (see `stream.rs`).
@@ -619,6 +623,8 @@ impl<B: Backend> Pool<B> {
                 release_threshold: 0,
                 reuse: [true; 3],
                 unchecked: 0,
+                found_guards: Vec::new(),
+                merging: Vec::new(),
                 stats: PoolStats::default(),
                 streams: FxHashMap::default(),
                 idle_events: Vec::new(),
@@ -1334,14 +1340,31 @@ impl<B: Backend> Inner<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<bool> {
         let end = addr + size;
-        let found = self.guards_in(addr, end);
-        if found.is_empty() {
-            return Ok(true);
-        }
+        let mut found = std::mem::take(&mut self.found_guards);
+        found.extend(self.guards_in(addr, end));
+        let cleared = if found.is_empty() {
+            Ok(true)
+        } else {
+            self.clear_found_guards(space, addr, end, stream, &found)
+        };
+        found.clear();
+        self.found_guards = found;
+        cleared
+    }
+
+    /// [`Inner::clear_guards`], given the guards `found` in the range.
+    fn clear_found_guards(
+        &mut self,
+        space: &Space<B>,
+        addr: u64,
+        end: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        found: &[(u64, Guard)],
+    ) -> Result<bool> {
         // Other streams whose frees are in the range, each with its latest
         // free there: few, so a list.
         let mut after: Vec<(u64, u64)> = Vec::new();
-        for (_, g) in &found {
+        for (_, g) in found {
             if stream.is_none_or(|s| s.id != g.stream) {
                 match after.iter_mut().find(|(id, _)| *id == g.stream) {
                     Some((_, seq)) => *seq = (*seq).max(g.seq),
@@ -1363,16 +1386,16 @@ impl<B: Backend> Inner<B> {
                 self.wait_for_frees_of(space, s, id)?;
             }
         }
-        self.remove_guards(addr, end, &found);
+        self.remove_guards(addr, end, found);
         Ok(true)
     }
 
     /// Removes the guards' coverage of `[start, end)`, keeping what lies
     /// outside; returns the guards that covered part of it.
     fn take_guards(&mut self, start: u64, end: u64) -> Vec<Guard> {
-        let found = self.guards_in(start, end);
+        let found: Vec<(u64, Guard)> = self.guards_in(start, end).collect();
         self.remove_guards(start, end, &found);
-        found.into_iter().map(|(_, g)| g).collect()
+        found.into_iter().rev().map(|(_, g)| g).collect()
     }
 
     /// [`Inner::take_guards`], given the guards `guards_in` found there.
@@ -1388,17 +1411,13 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// The guards overlapping `[start, end)`.
-    fn guards_in(&self, start: u64, end: u64) -> Vec<(u64, Guard)> {
-        let mut found: Vec<(u64, Guard)> = self
-            .guards
+    /// The guards overlapping `[start, end)`, from the highest address down.
+    fn guards_in(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, Guard)> + '_ {
+        self.guards
             .range(..end)
             .rev()
-            .take_while(|(_, g)| g.end > start)
+            .take_while(move |(_, g)| g.end > start)
             .map(|(&a, &g)| (a, g))
-            .collect();
-        found.reverse();
-        found
     }
 
     /// Moves every pending free of `stream` into the heap, guarded, in the
@@ -1409,10 +1428,14 @@ impl<B: Backend> Inner<B> {
     /// stream missing often records at most one event per round trip of its
     /// work, and its free chunks become movable again once it catches up.
     fn merge_own_frees(&mut self, space: &Space<B>, stream: &Arc<StreamShared<B>>) -> Result<()> {
-        let merged = match stream.state().pending.get_mut(&self.id) {
-            Some(f) => f.drain_upto(u64::MAX),
-            None => return Ok(()),
-        };
+        let mut merged = std::mem::take(&mut self.merging);
+        match stream.state().pending.get_mut(&self.id) {
+            Some(f) => f.drain_upto(u64::MAX, &mut merged),
+            None => {
+                self.merging = merged;
+                return Ok(());
+            }
+        }
         for p in &merged {
             self.arenas[p.arena].heap.free(p.block);
             let guard = Guard {
@@ -1423,7 +1446,10 @@ impl<B: Backend> Inner<B> {
             self.guards.insert(p.ptr, guard);
             self.stats.frees_merged += 1;
         }
-        if !merged.is_empty() && self.streams[&stream.id].events.is_empty() {
+        let any = !merged.is_empty();
+        merged.clear();
+        self.merging = merged;
+        if any && self.streams[&stream.id].events.is_empty() {
             self.event_after_frees(space, stream.id)?;
         }
         Ok(())
@@ -1612,7 +1638,8 @@ impl<B: Backend> Inner<B> {
         let (released, now_empty) = {
             let mut st = reg.stream.state();
             let f = st.pending.get_mut(&self.id).expect("registered");
-            let released = f.drain_upto(upto);
+            let mut released = Vec::new();
+            f.drain_upto(upto, &mut released);
             let now_empty = f.is_empty() && !guarded;
             if now_empty {
                 let f = st.pending.remove(&self.id).expect("present");
@@ -1828,7 +1855,6 @@ impl<B: Backend> Inner<B> {
                         Arc::strong_count(m.chunk()) == 1
                             && self
                                 .guards_in(va, end)
-                                .iter()
                                 .all(|(_, g)| Some(g.stream) == mover)
                     };
                     if end <= addr + len && movable() {

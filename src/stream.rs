@@ -156,10 +156,10 @@ impl PoolFrees {
             .min()
     }
 
-    /// Removes every block freed at or before `upto`; returns them in the
-    /// order they were freed.
-    pub(crate) fn drain_upto(&mut self, upto: u64) -> Vec<Pending> {
-        let mut out = Vec::new();
+    /// Removes every block freed at or before `upto` and appends them to
+    /// `out` (empty: the caller's reused buffer) in the order they were
+    /// freed.
+    pub(crate) fn drain_upto(&mut self, upto: u64, out: &mut Vec<Pending>) {
         let mut keep = Vec::new();
         for p in self
             .latest
@@ -181,7 +181,6 @@ impl PoolFrees {
         }
         self.bytes -= out.iter().map(|p| p.size).sum::<u64>();
         out.sort_unstable_by_key(|p| p.seq);
-        out
     }
 }
 
@@ -401,7 +400,9 @@ mod tests {
         assert_eq!(f.near_size(1050, u64::MAX), Some(1100));
         assert_eq!(f.near_size(1050, 1), None);
         assert_eq!(f.near_size(4000, u64::MAX), Some(4096));
-        let drained: Vec<u64> = f.drain_upto(2).iter().map(|p| p.seq).collect();
+        let mut out = Vec::new();
+        f.drain_upto(2, &mut out);
+        let drained: Vec<u64> = out.iter().map(|p| p.seq).collect();
         assert_eq!(drained, [1, 2]);
         assert_eq!(f.bytes, 4096);
         // What was kept is still found, by `take` as by `near_size`.
