@@ -269,27 +269,49 @@ impl<B: Backend> Shim<B> {
         Ok(device.pool.get_or_init(|| pool))
     }
 
-    /// The vmpool stream for the caller's `handle`, adopted on first use.
-    fn stream(&self, device: &Device<B>, handle: usize) -> vmpool::Result<Stream<B>> {
-        if let Some(s) = device
-            .streams
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&handle)
+    /// Calls `f` with the vmpool stream for the caller's `handle`, adopted
+    /// on first use. `f` runs under the table's read lock, so a call neither
+    /// clones the stream nor writes to the table; the table only grows, so
+    /// a stream once adopted is found again. `f` is not called when the
+    /// adoption fails.
+    fn with_stream<T>(
+        &self,
+        device: &Device<B>,
+        handle: usize,
+        f: impl FnOnce(&Stream<B>) -> T,
+    ) -> vmpool::Result<T> {
+        let read = || {
+            device
+                .streams
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
         {
-            return Ok(s.clone());
+            let streams = read();
+            if let Some(s) = streams.get(&handle) {
+                return Ok(f(s));
+            }
         }
+        self.adopt(device, handle)?;
+        let streams = read();
+        Ok(f(streams
+            .get(&handle)
+            .expect("adopted, and the table only grows")))
+    }
+
+    /// Adds the caller's stream `handle` to the table, unless another
+    /// thread just did.
+    #[cold]
+    fn adopt(&self, device: &Device<B>, handle: usize) -> vmpool::Result<()> {
         let mut streams = device
             .streams
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = streams.get(&handle) {
-            return Ok(s.clone());
+        if let std::collections::hash_map::Entry::Vacant(slot) = streams.entry(handle) {
+            let raw = (self.borrow)(self.context.backend(), device.id, handle)?;
+            slot.insert(self.context.adopt_stream(raw, device.id)?);
         }
-        let raw = (self.borrow)(self.context.backend(), device.id, handle)?;
-        let stream = self.context.adopt_stream(raw, device.id)?;
-        streams.insert(handle, stream.clone());
-        Ok(stream)
+        Ok(())
     }
 
     /// `size` bytes on `device` in stream order on `stream`; `Ok(0)` for
@@ -318,8 +340,7 @@ impl<B: Backend> Shim<B> {
             return Ok(0);
         }
         let pool = self.pool(dev)?;
-        let stream = self.stream(dev, stream)?;
-        let allocation = pool.allocate_async(size, &stream)?;
+        let allocation = self.with_stream(dev, stream, |s| pool.allocate_async(size, s))??;
         let ptr = allocation.ptr().0;
         lock(&dev.live).insert(ptr, allocation);
         Ok(ptr)
@@ -360,15 +381,21 @@ impl<B: Backend> Shim<B> {
             );
         }
         let pool = self.pool(dev)?;
-        let stream = match self.stream(dev, stream) {
-            Ok(stream) => stream,
+        let mut allocation = Some(allocation);
+        let freed = self.with_stream(dev, stream, |s| {
+            pool.free_async(allocation.take().expect("called once"), s)
+        });
+        match freed {
+            Ok(freed) => Ok(freed?),
             Err(err) => {
-                // Nothing changed: the allocation stays live.
-                lock(&dev.live).insert(ptr, allocation);
-                return Err(err.into());
+                // The stream could not be adopted (so the allocation was
+                // not handed over): nothing changed, it stays live.
+                if let Some(allocation) = allocation {
+                    lock(&dev.live).insert(ptr, allocation);
+                }
+                Err(err.into())
             }
-        };
-        Ok(pool.free_async(allocation, &stream)?)
+        }
     }
 
     /// Why `ptr` is not a live allocation of `dev`, as precisely as the
@@ -495,6 +522,40 @@ mod tests {
             let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
         }
+    }
+
+    /// Adopts odd stream handles; an even one fails, as a handle of
+    /// another device would.
+    fn odd_handles_only(
+        b: &vmpool::vmm::host::Host,
+        device: DeviceId,
+        handle: usize,
+    ) -> vmpool::vmm::Result<vmpool::vmm::host::HostStream> {
+        let device = if handle % 2 == 0 {
+            DeviceId(u32::MAX)
+        } else {
+            device
+        };
+        b.create_stream(device)
+    }
+
+    #[test]
+    fn a_free_on_a_stream_that_cannot_be_adopted_changes_nothing() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(host, config(&[]).unwrap(), odd_handles_only).unwrap();
+        let ptr = shim.alloc(4096, 0, 1).unwrap();
+        assert!(
+            shim.alloc(4096, 0, 2).is_err(),
+            "stream 2 cannot be adopted"
+        );
+        assert!(shim.free(ptr, 4096, 0, 2).is_err());
+        // Still live, and freed normally on its own stream.
+        assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 4096);
+        shim.free(ptr, 4096, 0, 1).unwrap();
+        let figures = shim.figures(0).unwrap();
+        assert_eq!(figures.refused_frees, 0);
+        shim.synchronize(0).unwrap();
+        assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 0);
     }
 
     #[test]
