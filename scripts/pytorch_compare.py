@@ -254,6 +254,9 @@ def step_time(runs):
     seed), so step i is the same work in every run and under every
     allocator; its median over runs drops a slow moment of the machine
     that the mean over one run's steps would keep."""
+    if not all("step_ms" in r for r in runs):
+        # Results from before step times were kept: the median run.
+        return statistics.median(r["ms_per_step"] for r in runs)
     steps = [statistics.median(times) for times in zip(*(r["step_ms"] for r in runs))]
     return statistics.fmean(steps[WARMUP:] or steps)
 
