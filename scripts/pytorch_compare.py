@@ -416,7 +416,8 @@ def main():
                     print(f"{'':15} {'':16} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed step "
                           f"on average ({r['timed_calls']} calls in the run)", flush=True)
 
-    failed |= table(results)
+    if results:
+        failed |= table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
