@@ -1429,12 +1429,8 @@ impl<B: Backend> Inner<B> {
     /// work, and its free chunks become movable again once it catches up.
     fn merge_own_frees(&mut self, space: &Space<B>, stream: &Arc<StreamShared<B>>) -> Result<()> {
         let mut merged = std::mem::take(&mut self.merging);
-        match stream.state().pending.get_mut(&self.id) {
-            Some(f) => f.drain_upto(u64::MAX, &mut merged),
-            None => {
-                self.merging = merged;
-                return Ok(());
-            }
+        if let Some(f) = stream.state().pending.get_mut(&self.id) {
+            f.drain_upto(u64::MAX, &mut merged);
         }
         for p in &merged {
             self.arenas[p.arena].heap.free(p.block);

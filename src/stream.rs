@@ -157,9 +157,9 @@ impl PoolFrees {
     }
 
     /// Removes every block freed at or before `upto` and appends them to
-    /// `out` (empty: the caller's reused buffer) in the order they were
-    /// freed.
+    /// `out` in the order they were freed.
     pub(crate) fn drain_upto(&mut self, upto: u64, out: &mut Vec<Pending>) {
+        let start = out.len();
         let mut keep = Vec::new();
         for p in self
             .latest
@@ -179,8 +179,9 @@ impl PoolFrees {
         for p in keep {
             self.file(p);
         }
-        self.bytes -= out.iter().map(|p| p.size).sum::<u64>();
-        out.sort_unstable_by_key(|p| p.seq);
+        let drained = &mut out[start..];
+        self.bytes -= drained.iter().map(|p| p.size).sum::<u64>();
+        drained.sort_unstable_by_key(|p| p.seq);
     }
 }
 
