@@ -63,15 +63,28 @@ pub(crate) struct Pending {
     pub(crate) seq: u64,
 }
 
+/// How far back before the latest pending free the hot path looks for one
+/// of the size asked for. Past that the allocation takes the pool's lock,
+/// which merges all the stream's pending frees into the heap; so a stream
+/// that frees thousands of blocks before allocating again pays for one
+/// merge, not for thousands of long searches. On the 15 replayed traces
+/// (`docs/RESULTS.md`) every block the hot path reuses lies within 128 of
+/// the end: the footprints are those of an unbounded search (32 changes
+/// them).
+const HOT_SEARCH: usize = 128;
+
 /// The pending frees one stream has made in one pool.
 #[derive(Default)]
 pub(crate) struct PoolFrees {
-    /// The latest free still pending, kept out of `by_size` so that a free
-    /// followed by an allocation of the same size (the hot path) touches no
-    /// map.
+    /// The latest free still pending, kept apart so that a free followed
+    /// by an allocation of the same size (the hot path) touches no list.
     latest: Option<Pending>,
-    /// The others by size, most recent last.
-    by_size: FxHashMap<u64, Vec<Pending>>,
+    /// The others, in the order they were made, so positions increase
+    /// along it. Every stream-ordered allocation that misses the hot path
+    /// empties it into the heap, so it stays short: a list searched from
+    /// the end beats a map by size, which would be built and torn down at
+    /// every miss.
+    older: Vec<Pending>,
     /// Position of the latest free.
     pub(crate) last_free: u64,
     pub(crate) bytes: u64,
@@ -92,32 +105,30 @@ impl PoolFrees {
         self.bytes += p.size;
         self.credit += p.size;
         self.frees += 1;
-        self.file(p);
-    }
-
-    /// Files `p` as the latest pending block, moving the one before it to
-    /// `by_size`.
-    #[inline]
-    fn file(&mut self, p: Pending) {
         if let Some(older) = self.latest.replace(p) {
-            self.by_size.entry(older.size).or_default().push(older);
+            self.older.push(older);
         }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.latest.is_none() && self.by_size.is_empty()
+        self.latest.is_none() && self.older.is_empty()
     }
 
     /// The hot path's allocation: the most recent pending block of exactly
-    /// `size`, if the stream has freed at least `size` bytes since the pool
-    /// last settled its credit. Otherwise the allocation takes the pool's
-    /// lock, which keeps `used` and its high-water mark exact.
+    /// `size` among the latest and the [`HOT_SEARCH`] before it, if the
+    /// stream has freed at least `size` bytes since the pool last settled
+    /// its credit. Otherwise the allocation takes the pool's lock, which
+    /// keeps `used` and its high-water mark exact.
     #[inline(always)]
     pub(crate) fn reuse(&mut self, size: u64) -> Option<Pending> {
         if self.credit < size {
             return None;
         }
-        let p = self.take(size, u64::MAX)?;
+        let p = match self.latest.take_if(|l| l.size == size) {
+            Some(p) => p,
+            None => self.older_of_size(size, u64::MAX, HOT_SEARCH)?,
+        };
+        self.bytes -= p.size;
         self.credit -= p.size;
         self.reuses += 1;
         Some(p)
@@ -125,32 +136,32 @@ impl PoolFrees {
 
     /// The most recent pending block of exactly `size` freed at or before
     /// position `upto`.
-    #[inline(always)]
     pub(crate) fn take(&mut self, size: u64, upto: u64) -> Option<Pending> {
         let p = match &self.latest {
             Some(l) if l.size == size && l.seq <= upto => self.latest.take(),
-            _ => {
-                let list = self.by_size.get_mut(&size)?;
-                let i = list.iter().rposition(|p| p.seq <= upto)?;
-                let p = list.swap_remove(i);
-                if list.is_empty() {
-                    self.by_size.remove(&size);
-                }
-                Some(p)
-            }
+            _ => self.older_of_size(size, upto, usize::MAX),
         }?;
         self.bytes -= p.size;
         Some(p)
     }
 
-    fn all(&self) -> impl Iterator<Item = &Pending> {
-        self.latest.iter().chain(self.by_size.values().flatten())
+    /// Takes the most recent of the last `within` blocks of `older` that
+    /// is of `size` and freed at or before `upto`.
+    #[inline(never)]
+    fn older_of_size(&mut self, size: u64, upto: u64, within: usize) -> Option<Pending> {
+        let from = self.older.len().saturating_sub(within);
+        let i = self.older[from..]
+            .iter()
+            .rposition(|p| p.size == size && p.seq <= upto)?;
+        Some(self.older.remove(from + i))
     }
 
     /// The smallest size present, between `size` and 1/8 more, with a block
     /// freed at or before `upto`.
     pub(crate) fn near_size(&self, size: u64, upto: u64) -> Option<u64> {
-        self.all()
+        self.older
+            .iter()
+            .chain(&self.latest)
             .filter(|p| p.size >= size && p.size <= size + size / 8 && p.seq <= upto)
             .map(|p| p.size)
             .min()
@@ -159,29 +170,14 @@ impl PoolFrees {
     /// Removes every block freed at or before `upto` and appends them to
     /// `out` in the order they were freed.
     pub(crate) fn drain_upto(&mut self, upto: u64, out: &mut Vec<Pending>) {
+        let n = self.older.partition_point(|p| p.seq <= upto);
         let start = out.len();
-        let mut keep = Vec::new();
-        for p in self
-            .latest
-            .take()
-            .into_iter()
-            .chain(self.by_size.drain().flat_map(|(_, l)| l))
-        {
-            if p.seq <= upto {
-                out.push(p);
-            } else {
-                keep.push(p);
-            }
+        out.extend(self.older.drain(..n));
+        // The latest free of all comes last.
+        if self.latest.as_ref().is_some_and(|l| l.seq <= upto) {
+            out.extend(self.latest.take());
         }
-        // Oldest first, so each size's list keeps the most recent last and
-        // the latest goes back to `latest`.
-        keep.sort_unstable_by_key(|p| p.seq);
-        for p in keep {
-            self.file(p);
-        }
-        let drained = &mut out[start..];
-        self.bytes -= drained.iter().map(|p| p.size).sum::<u64>();
-        drained.sort_unstable_by_key(|p| p.seq);
+        self.bytes -= out[start..].iter().map(|p| p.size).sum::<u64>();
     }
 }
 
@@ -392,6 +388,36 @@ mod tests {
         f.credit = 0;
         assert!(f.reuse(256).is_none());
         assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(1));
+    }
+
+    #[test]
+    fn the_hot_path_looks_back_a_bounded_way() {
+        let mut sizes: Vec<(u64, u64)> = vec![(256, 1)];
+        let last = HOT_SEARCH as u64 + 2;
+        sizes.extend((2..=last).map(|seq| (512, seq)));
+        let mut f = frees(&sizes);
+        // The 256-byte block is one further back than the hot path looks.
+        assert!(f.reuse(256).is_none());
+        assert_eq!(f.reuse(512).map(|p| p.seq), Some(last));
+        assert!(f.reuse(256).is_none());
+        // One more taken off the end brings it within reach.
+        assert_eq!(f.reuse(512).map(|p| p.seq), Some(last - 1));
+        assert_eq!(f.reuse(256).map(|p| p.seq), Some(1));
+    }
+
+    #[test]
+    fn drain_keeps_free_order_on_both_sides() {
+        let mut f = frees(&[(256, 1), (512, 2), (256, 3), (1024, 4), (512, 5)]);
+        // Taken from the middle: what is left stays in order.
+        assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(3));
+        let mut out = Vec::new();
+        f.drain_upto(4, &mut out);
+        assert_eq!(out.iter().map(|p| p.seq).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(f.bytes, 512);
+        f.drain_upto(u64::MAX, &mut out);
+        assert_eq!(out.iter().map(|p| p.seq).collect::<Vec<_>>(), [1, 2, 4, 5]);
+        assert!(f.is_empty());
+        assert_eq!(f.bytes, 0);
     }
 
     #[test]
