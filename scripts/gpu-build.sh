@@ -64,7 +64,7 @@ if [ -n "${BASE_REV:-}" ]; then
     base_line="base library: torch/libvmpool_c-$rev.so, built from $(git rev-parse "$rev")"
 fi
 
-# The shared traces and the one recorded here (traces/), for the replay job.
+# The shared traces and those recorded here (traces/), for the replay job.
 cp ../shared/traces/*.trace.gz traces/*.trace.gz "$bundle/traces/"
 
 # The device tool carries at most 64 MiB: symbols go (panics still print
