@@ -3,11 +3,15 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [multi]
-#   (default: all but soak, torch and multi; soak runs SOAK_SECONDS, default 300)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [multi]
+#   (default: all but soak, torch, record-stream and multi; soak runs
+#   SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
+#
+# record-stream: scripts/torch_record_stream.py, whether memory another
+# stream still uses (Tensor.record_stream) is reused under it.
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
@@ -80,6 +84,9 @@ for job in $jobs; do
     torch)
         # shellcheck disable=SC2086 # TORCH_ARGS is a list of arguments
         run "pytorch compare" python3 "$here/torch/pytorch_compare.py" ${TORCH_ARGS:-} --json "$outdir/pytorch_compare.json"
+        ;;
+    record-stream)
+        run "pytorch record_stream" python3 "$here/torch/torch_record_stream.py"
         ;;
     replay)
         for trace in "$here"/traces/*; do

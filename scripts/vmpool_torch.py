@@ -71,6 +71,8 @@ def library():
         lib.vmpool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.vmpool_free.restype = None
         lib.vmpool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmpool_record_stream.restype = None
+        lib.vmpool_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.vmpool_stats.restype = _Stats
         lib.vmpool_stats.argtypes = [ctypes.c_int]
         for name in ("vmpool_synchronize", "vmpool_reset_peaks", "vmpool_print_snapshot"):
@@ -91,12 +93,22 @@ def library():
 
 def install():
     """Makes vmpool PyTorch's CUDA allocator. Call it before anything
-    allocates CUDA memory (PyTorch refuses the change afterwards)."""
+    allocates CUDA memory (PyTorch refuses the change afterwards).
+
+    It also hooks `Tensor.record_stream`: without the hook PyTorch drops
+    those calls for a pluggable allocator, and memory freed on one stream
+    while another still reads it would be reused under that read."""
     import torch
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
+    hook = getattr(allocator.allocator(), "set_record_stream_fn", None)
+    if hook is None:
+        raise RuntimeError(
+            "this PyTorch cannot pass Tensor.record_stream to a pluggable allocator "
+            "(no set_record_stream_fn); vmpool would reuse memory other streams still use"
+        )
+    hook(ctypes.cast(library().vmpool_record_stream, ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(allocator)
-    library()
     return allocator
 
 

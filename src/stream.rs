@@ -253,6 +253,16 @@ impl<B: Backend> Clone for Stream<B> {
     }
 }
 
+/// Two handles are equal when they are the same stream (clones of one
+/// another), whatever the backend stream inside.
+impl<B: Backend> PartialEq for Stream<B> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl<B: Backend> Eq for Stream<B> {}
+
 impl<B: Backend> Stream<B> {
     pub(crate) fn new(raw: B::Stream, device: DeviceId) -> Self {
         Self(Arc::new(StreamShared {

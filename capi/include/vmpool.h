@@ -48,6 +48,15 @@ void *vmpool_alloc(ssize_t size, int device, void *stream);
  * vmpool_stats_t.refused_frees. */
 void vmpool_free(void *ptr, ssize_t size, int device, void *stream);
 
+/* Notes that work queued on `stream` (of the pointer's device) may use
+ * `ptr`, a live allocation, until it is freed: vmpool_free then makes its
+ * stream wait for the work queued on `stream` up to the free before the
+ * memory can be reused (PyTorch's Tensor.record_stream; vmpool_torch.install
+ * hooks it). Other streams are not tracked otherwise, as with
+ * cudaFreeAsync. A pointer vmpool does not hold live is logged and changes
+ * nothing. */
+void vmpool_record_stream(void *ptr, void *stream);
+
 /* Waits for every stream vmpool has seen on `device`; then their frees are
  * reusable on every stream, and the pool keeps at most its release
  * threshold. 0 on success, -1 on failure (logged). */

@@ -2,7 +2,8 @@
 //!
 //! Its first user is PyTorch: `torch.cuda.memory.CUDAPluggableAllocator`
 //! loads the library and calls [`vmpool_alloc`] and [`vmpool_free`] for
-//! every tensor (`scripts/vmpool_torch.py` does the set-up). Each device
+//! every tensor, and [`vmpool_record_stream`] for `Tensor.record_stream`
+//! (`scripts/vmpool_torch.py` does the set-up). Each device
 //! gets one stream-ordered vmpool pool on first use; the caller's streams
 //! become vmpool streams; configuration comes from the environment
 //! ([`shim::Config`], README.md's "PyTorch" section).
@@ -149,6 +150,19 @@ pub extern "C" fn vmpool_free(ptr: *mut c_void, size: isize, device: c_int, stre
         "free",
         (),
         |g| with_shim!(g, s => s.free(ptr as u64, size as i64, i64::from(device), stream as usize)),
+    )
+}
+
+/// Notes that work queued on `stream` may use `ptr` until it is freed
+/// (PyTorch's `record_stream_fn`): its free then makes the freeing stream
+/// wait for that work first. A pointer vmpool does not hold live is
+/// logged and changes nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    call(
+        "record_stream",
+        (),
+        |g| with_shim!(g, s => s.record_stream(ptr as u64, stream as usize)),
     )
 }
 

@@ -7,8 +7,11 @@
 //!   vmpool_alloc(size, device, stream)
 //!     stream handle ──► Stream (borrowed from the caller, adopted once)
 //!     pool of device ─► allocate_async ──► live[ptr] = Allocation
+//!   vmpool_record_stream(ptr, other)
+//!     live[ptr].used_on += other
 //!   vmpool_free(ptr, size, device, stream)
-//!     live.remove(ptr) ──► free_async on the stream; not there: refused
+//!     live.remove(ptr) ──► stream waits for each `used_on` stream's work so far
+//!                      ──► free_async on the stream; not there: refused
 //! ```
 #![deny(unsafe_code)]
 
@@ -158,6 +161,8 @@ pub enum CallError {
     Size(i64),
     #[error("free of {ptr:#x} on device {device}: {why}")]
     NotOurs { ptr: u64, device: u32, why: String },
+    #[error("{ptr:#x} is not a live allocation of vmpool's on any device")]
+    NotLive { ptr: u64 },
     #[error(transparent)]
     Vmpool(#[from] vmpool::Error),
     #[error("writing the allocation trace: {0}")]
@@ -176,12 +181,20 @@ struct Device<B: Backend> {
     /// The caller's streams by handle.
     streams: RwLock<FxHashMap<usize, Stream<B>>>,
     /// What vmpool handed out and the caller has not freed, by pointer.
-    live: Mutex<FxHashMap<u64, Allocation>>,
+    live: Mutex<FxHashMap<u64, Live<B>>>,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
     refused_frees: AtomicU64,
     /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their time.
     timed_calls: AtomicU64,
     call_nanos: AtomicU64,
+}
+
+/// A live allocation, and the other streams the caller said use it
+/// (`vmpool_record_stream`, PyTorch's `Tensor.record_stream`): its free
+/// waits for the work queued on them until then.
+struct Live<B: Backend> {
+    allocation: Allocation,
+    used_on: Vec<Stream<B>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -342,8 +355,34 @@ impl<B: Backend> Shim<B> {
         let pool = self.pool(dev)?;
         let allocation = self.with_stream(dev, stream, |s| pool.allocate_async(size, s))??;
         let ptr = allocation.ptr().0;
-        lock(&dev.live).insert(ptr, allocation);
+        let live = Live {
+            allocation,
+            used_on: Vec::new(),
+        };
+        lock(&dev.live).insert(ptr, live);
         Ok(ptr)
+    }
+
+    /// Notes that the work queued on `stream` from now until `ptr` is
+    /// freed may use it: the free makes its own stream wait for that work
+    /// first, so the memory is not reused under it (PyTorch's
+    /// `record_stream`, which names no device: the pointer's is found).
+    pub fn record_stream(&self, ptr: u64, stream: usize) -> Result<(), CallError> {
+        let dev = self
+            .devices
+            .iter()
+            .find(|d| lock(&d.live).contains_key(&ptr))
+            .ok_or(CallError::NotLive { ptr })?;
+        // Adopted here, so that a stream vmpool cannot use is reported now
+        // and the free has nothing to fail on.
+        let adopted = self.with_stream(dev, stream, Stream::clone)?;
+        let mut live = lock(&dev.live);
+        // Freed by another thread meanwhile: nothing left to order.
+        let entry = live.get_mut(&ptr).ok_or(CallError::NotLive { ptr })?;
+        if !entry.used_on.contains(&adopted) {
+            entry.used_on.push(adopted);
+        }
+        Ok(())
     }
 
     /// Frees what `alloc` returned, in stream order on `stream`. A pointer
@@ -364,7 +403,11 @@ impl<B: Backend> Shim<B> {
         size: i64,
         stream: usize,
     ) -> Result<(), CallError> {
-        let Some(allocation) = lock(&dev.live).remove(&ptr) else {
+        let Some(Live {
+            allocation,
+            used_on,
+        }) = lock(&dev.live).remove(&ptr)
+        else {
             dev.refused_frees.fetch_add(1, Ordering::Relaxed);
             return Err(CallError::NotOurs {
                 ptr,
@@ -383,26 +426,49 @@ impl<B: Backend> Shim<B> {
         let pool = self.pool(dev)?;
         let mut allocation = Some(allocation);
         let freed = self.with_stream(dev, stream, |s| {
+            self.wait_for_users(s, &used_on)?;
             pool.free_async(allocation.take().expect("called once"), s)
         });
         match freed {
-            Ok(freed) => Ok(freed?),
-            Err(err) => {
-                // The stream could not be adopted (so the allocation was
-                // not handed over): nothing changed, it stays live.
+            Ok(Ok(())) => Ok(()),
+            result => {
+                // Not handed over (the stream could not be adopted, or it
+                // could not be made to wait for the allocation's other
+                // users): nothing changed, it stays live.
                 if let Some(allocation) = allocation {
-                    lock(&dev.live).insert(ptr, allocation);
+                    lock(&dev.live).insert(
+                        ptr,
+                        Live {
+                            allocation,
+                            used_on,
+                        },
+                    );
                 }
-                Err(err.into())
+                Err(match result {
+                    Err(err) | Ok(Err(err)) => err.into(),
+                    Ok(Ok(())) => unreachable!("matched above"),
+                })
             }
         }
+    }
+
+    /// Makes `stream` wait for the work queued so far on each of `users`
+    /// (other than itself): an event recorded on each, waited for.
+    fn wait_for_users(&self, stream: &Stream<B>, users: &[Stream<B>]) -> vmpool::Result<()> {
+        for user in users.iter().filter(|&u| u != stream) {
+            let event = self.context.create_event(user.device())?;
+            self.context.record_event(&event, user)?;
+            self.context.stream_wait_event(stream, &event)?;
+        }
+        Ok(())
     }
 
     /// Why `ptr` is not a live allocation of `dev`, as precisely as the
     /// tables tell (the cold path of a refused free).
     fn why_not_ours(&self, ptr: u64, dev: &Device<B>) -> String {
-        let inside = |live: &FxHashMap<u64, Allocation>| {
+        let inside = |live: &FxHashMap<u64, Live<B>>| {
             live.values()
+                .map(|l| &l.allocation)
                 .find(|a| a.ptr().0 < ptr && ptr < a.ptr().0 + a.size())
                 .map(|a| (a.ptr().0, a.size()))
         };
@@ -554,6 +620,60 @@ mod tests {
         shim.free(ptr, 4096, 0, 1).unwrap();
         let figures = shim.figures(0).unwrap();
         assert_eq!(figures.refused_frees, 0);
+        shim.synchronize(0).unwrap();
+        assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 0);
+    }
+
+    /// The host stream `handle` stands for on device 0.
+    fn host_stream(
+        shim: &Shim<vmpool::vmm::host::Host>,
+        handle: usize,
+    ) -> Stream<vmpool::vmm::host::Host> {
+        shim.with_stream(&shim.devices[0], handle, Stream::clone)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_free_waits_for_the_streams_recorded_as_users() {
+        use std::time::{Duration, Instant};
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(Arc::clone(&host), config(&[]).unwrap(), odd_handles_only).unwrap();
+        let ptr = shim.alloc(4096, 0, 1).unwrap();
+        let (own, other) = (host_stream(&shim, 1), host_stream(&shim, 3));
+        // Stream 3 still uses the memory when stream 1 frees it.
+        host.delay(other.raw(), Duration::from_millis(300)).unwrap();
+        shim.record_stream(ptr, 3).unwrap();
+        shim.record_stream(ptr, 3).unwrap();
+        shim.record_stream(ptr, 1).unwrap();
+        shim.free(ptr, 4096, 0, 1).unwrap();
+        // Stream 1's next allocation gets the same memory at once (its own
+        // free), so its work from here must wait for stream 3's.
+        assert_eq!(shim.alloc(4096, 0, 1).unwrap(), ptr);
+        let started = Instant::now();
+        host.synchronize_stream(own.raw()).unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "stream 1 ran ahead of the work stream 3 queued on the memory"
+        );
+    }
+
+    #[test]
+    fn record_stream_refuses_what_is_not_live() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(host, config(&[]).unwrap(), odd_handles_only).unwrap();
+        let ptr = shim.alloc(4096, 0, 1).unwrap();
+        assert!(matches!(
+            shim.record_stream(ptr + 256, 3),
+            Err(CallError::NotLive { .. })
+        ));
+        // A stream that cannot be adopted is refused at the record, and the
+        // free goes on as if it had not been named.
+        assert!(shim.record_stream(ptr, 2).is_err());
+        shim.free(ptr, 4096, 0, 1).unwrap();
+        assert!(matches!(
+            shim.record_stream(ptr, 3),
+            Err(CallError::NotLive { .. })
+        ));
         shim.synchronize(0).unwrap();
         assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 0);
     }

@@ -9,8 +9,8 @@ use std::sync::Once;
 use std::thread;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_reset_peaks, vmpool_stats,
-    vmpool_synchronize, vmpool_trim, VmpoolStats,
+    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_record_stream, vmpool_reset_peaks,
+    vmpool_stats, vmpool_synchronize, vmpool_trim, VmpoolStats,
 };
 
 /// Selects the host backend before the library's first call reads the
@@ -116,6 +116,13 @@ fn misuse_is_refused_and_changes_nothing() {
         (after.used_bytes, after.reserved_bytes, after.frees),
         (before.used_bytes, before.reserved_bytes, before.frees)
     );
+
+    // Recording a stream for a pointer that is not live changes nothing;
+    // for a live one, its free waits for that stream, and frees.
+    vmpool_record_stream(0xdead_0000 as *mut c_void, stream(3));
+    vmpool_record_stream(p.wrapping_byte_add(4096), stream(3));
+    vmpool_record_stream(p, stream(3));
+    assert_eq!(stats(d).refused_frees, before.refused_frees + 2);
 
     // The allocation is still live and frees normally, once.
     vmpool_free(p, size, d, stream(1));

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Checks, on the GPU, that memory another stream still uses is not reused
+under it: the `Tensor.record_stream` contract.
+
+A tensor of ones is summed on a side stream behind a ~100 ms sleep; the
+main stream records the side stream as a user, frees the tensor and at once
+allocates one of the same size and fills it with zeros. If the allocator
+reuses the memory before the side stream's sum has read it, the sum comes
+out short. Each case runs in a process of its own:
+
+    native            PyTorch's caching allocator
+    vmpool            vmpool_torch.install(), which hooks record_stream
+    vmpool-unhooked   vmpool as a bare CUDAPluggableAllocator: PyTorch then
+                      drops record_stream calls; shows the check can fail
+
+    python3 scripts/torch_record_stream.py
+
+Exits non-zero when native or vmpool gets a wrong sum (the unhooked case is
+expected to, whenever it reuses the memory).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+CASES = ["native", "vmpool", "vmpool-unhooked"]
+ELEMENTS = 64 << 20  # int32: 256 MiB
+SLEEP_CYCLES = 200_000_000  # about 0.1 s at the H200's clock
+
+
+def child(case):
+    import torch
+
+    if case == "vmpool":
+        import vmpool_torch
+
+        vmpool_torch.install()
+    elif case == "vmpool-unhooked":
+        import vmpool_torch
+
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            vmpool_torch.library_path(), "vmpool_alloc", "vmpool_free")
+        torch.cuda.memory.change_current_allocator(allocator)
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    x = torch.ones(ELEMENTS, dtype=torch.int32, device="cuda")
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        total = x.sum()
+    x.record_stream(side)
+    old = x.data_ptr()
+    del x
+    y = torch.zeros(ELEMENTS, dtype=torch.int32, device="cuda")
+    reused = y.data_ptr() == old
+    torch.cuda.synchronize()
+    got = int(total.item())
+    print("RESULT " + json.dumps({"case": case, "reused": reused, "sum": got, "ok": got == ELEMENTS}))
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    failed = False
+    print(f"expected sum {ELEMENTS}")
+    for case in CASES:
+        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+            failed = True
+            continue
+        r = json.loads(lines[-1][len("RESULT "):])
+        verdict = "right" if r["ok"] else "WRONG"
+        print(f"{case:16} memory reused at once: {str(r['reused']):5}  sum {r['sum']:>10}  {verdict}")
+        if case != "vmpool-unhooked" and not r["ok"]:
+            failed = True
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
