@@ -68,6 +68,10 @@ pub enum Error {
     /// The export data names another pool than the one imported.
     #[error("the export data of {ptr:#x} comes from another pool")]
     ForeignExport { ptr: u64 },
+    /// The exporting pool's device (`device` in the exporter's numbering)
+    /// is none of this process's devices.
+    #[error("the exporting pool's device (its {device}) is not one this process sees")]
+    DeviceNotVisible { device: DeviceId },
     /// Talking to the other process failed: it is gone, or the descriptor
     /// or data is not what vmpool sends.
     #[error("sharing with another process: {0}")]

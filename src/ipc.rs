@@ -50,9 +50,11 @@
 //! rustix's safe socket calls with owned descriptors: no `unsafe` here.
 //!
 //! An imported allocation gives read-write access to the exporting pool's
-//! device only (the importer's own peers get none). The device is named by
-//! its ordinal, so both processes must number devices alike (the same
-//! `CUDA_VISIBLE_DEVICES`). Dropping it unmaps at
+//! device only (the importer's own peers get none). The exporter names its
+//! device by UUID, and the importer finds it among its own devices by that,
+//! so the two processes may number devices differently (another
+//! `CUDA_VISIBLE_DEVICES`); a device the importer does not see is
+//! [`Error::DeviceNotVisible`]. Dropping it unmaps at
 //! once, like `cudaFree` of an imported pointer: work queued on it must have
 //! finished.
 
@@ -395,15 +397,24 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
         let Some(shared) = pool.upgrade() else { break };
         let pool = Pool::from_shared(shared);
         let answer = match request.as_slice() {
-            [HELLO] => reply(
-                &[
-                    OK,
-                    pool_token(pool.id()),
-                    u64::from(pool.device().0),
-                    pool.backend().granularity(pool.device()).unwrap_or(0) as u64,
-                ],
-                "",
-            ),
+            [HELLO] => match pool.backend().device_uuid(pool.device()) {
+                Ok(uuid) => {
+                    let (high, low) = uuid.split_at(8);
+                    let word = |half: &[u8]| u64::from_be_bytes(half.try_into().expect("8 bytes"));
+                    reply(
+                        &[
+                            OK,
+                            pool_token(pool.id()),
+                            u64::from(pool.device().0),
+                            pool.backend().granularity(pool.device()).unwrap_or(0) as u64,
+                            word(high),
+                            word(low),
+                        ],
+                        "",
+                    )
+                }
+                Err(err) => reply(&[FAILED], &err.to_string()),
+            },
             &[IMPORT, token, serial, ptr, size] => {
                 let data = ExportData {
                     token,
@@ -528,16 +539,26 @@ impl<B: Backend> ImportedPool<B> {
         timeout(Some(HELLO_TIMEOUT))?;
         let reply = request(handle.as_fd(), &[HELLO])?;
         timeout(None)?;
-        let &[OK, token, device, granule] = reply.0.as_slice() else {
-            return Err(Error::Ipc(format!(
-                "unexpected answer to hello: {:?}",
-                reply.0
-            )));
+        let &[OK, token, device, granule, high, low] = reply.0.as_slice() else {
+            return Err(Error::Ipc(match reply.0.as_slice() {
+                [FAILED] => format!("the exporter could not answer: {}", reply.1),
+                other => format!("unexpected answer to hello: {other:?}"),
+            }));
         };
-        let device = DeviceId(device as u32);
-        if device.0 >= backend.device_count()? {
-            return Err(Error::InvalidDevice(device));
+        // The exporter's device as this process numbers it.
+        let mut uuid = [0; 16];
+        uuid[..8].copy_from_slice(&high.to_be_bytes());
+        uuid[8..].copy_from_slice(&low.to_be_bytes());
+        let mut ours = None;
+        for d in (0..backend.device_count()?).map(DeviceId) {
+            if backend.device_uuid(d)? == uuid {
+                ours = Some(d);
+                break;
+            }
         }
+        let device = ours.ok_or(Error::DeviceNotVisible {
+            device: DeviceId(device as u32),
+        })?;
         if backend.granularity(device)? as u64 != granule {
             return Err(Error::Ipc(format!(
                 "the exporter's granularity {granule} differs from this backend's"
@@ -554,7 +575,7 @@ impl<B: Backend> ImportedPool<B> {
         })
     }
 
-    /// The exporting pool's device.
+    /// The exporting pool's device, as this process numbers it.
     pub fn device(&self) -> DeviceId {
         self.importer.device
     }

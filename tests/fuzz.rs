@@ -526,6 +526,7 @@ fn run_case(case: Case) -> Checked {
     COUNTS.cases.fetch_add(1, Relaxed);
     let host = Host::new(HostConfig {
         devices: 2,
+        first_device: 0,
         memory_per_device: 2 << 30,
         granularity: 2 << 20,
     })

@@ -382,6 +382,7 @@ suite!(cuda, crate::common::cuda, |_| ());
 fn host(devices: u32) -> Arc<Host> {
     Host::new(HostConfig {
         devices,
+        first_device: 0,
         memory_per_device: 1 << 30,
         granularity: 2 << 20,
     })
@@ -416,11 +417,14 @@ fn bad_input_is_refused() {
         ImportedPool::from_shareable_handle(&importer, file),
         Err(Error::Ipc(_))
     ));
-    // A pool on device 1, imported where there is only device 0.
+    // A pool on device 1, imported where only the machine's device 0 is
+    // seen.
     let small = host(1);
     assert!(matches!(
         ImportedPool::from_shareable_handle(&small, pool.export_to_shareable_handle().unwrap()),
-        Err(Error::InvalidDevice(DeviceId(1)))
+        Err(Error::DeviceNotVisible {
+            device: DeviceId(1)
+        })
     ));
     // The handle of a pool that has gone.
     let handle = pool.export_to_shareable_handle().unwrap();
@@ -435,6 +439,43 @@ fn bad_input_is_refused() {
     assert_eq!(exporter.census(), Census::default());
     assert_eq!(importer.census(), Census::default());
     assert_eq!(small.census(), Census::default());
+}
+
+/// The importer numbers devices from the machine's device 1 on (as
+/// `CUDA_VISIBLE_DEVICES=1` would): the exporter's device 1 is its device
+/// 0, found by UUID, and the imported memory is mapped and read there.
+#[test]
+fn devices_are_matched_by_uuid_not_ordinal() {
+    let exporter = host(2);
+    let ctx = Context::new(Arc::clone(&exporter)).unwrap();
+    let pool = shareable_pool(&ctx, DeviceId(1));
+    let a = pool.allocate(3 << 20).unwrap();
+    let s = exporter.create_stream(DeviceId(1)).unwrap();
+    exporter
+        .fill_u32(&s, a.ptr(), (a.size() / 4) as usize, 5)
+        .unwrap();
+    exporter.synchronize_stream(&s).unwrap();
+    let importer = Host::new(HostConfig {
+        devices: 1,
+        first_device: 1,
+        memory_per_device: 1 << 30,
+        granularity: 2 << 20,
+    })
+    .unwrap();
+    let imported =
+        ImportedPool::from_shareable_handle(&importer, pool.export_to_shareable_handle().unwrap())
+            .unwrap();
+    assert_eq!(imported.device(), DeviceId(0));
+    let m = imported
+        .import_pointer(&pool.export_pointer(&a).unwrap())
+        .unwrap();
+    let t = importer.create_stream(DeviceId(0)).unwrap();
+    assert_eq!(uniform(&words(&*importer, &t, m.ptr(), m.size())), "ok 5");
+    drop((m, imported, t));
+    pool.free(a).unwrap();
+    drop((s, pool, ctx));
+    assert_eq!(exporter.census(), Census::default());
+    assert_eq!(importer.census(), Census::default());
 }
 
 /// Imports `a` of `pool` into `importer` (in this process) and checks the

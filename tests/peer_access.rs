@@ -302,6 +302,7 @@ fn read_only_peer_access() {
 fn failed_set_access_rolls_back() {
     let host = Host::new(HostConfig {
         devices: 2,
+        first_device: 0,
         memory_per_device: 1 << 30,
         granularity: 2 << 20,
     })

@@ -333,6 +333,7 @@ mod small_device {
     fn device(mib: usize) -> Arc<Host> {
         Host::new(HostConfig {
             devices: 1,
+            first_device: 0,
             memory_per_device: mib << 20,
             granularity: 2 << 20,
         })

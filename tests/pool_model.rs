@@ -49,6 +49,7 @@ proptest! {
     ) {
         let host = Host::new(HostConfig {
             devices: 1,
+            first_device: 0,
             memory_per_device: 96 << 20,
             granularity: 2 << 20,
         })

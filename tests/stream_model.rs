@@ -114,6 +114,7 @@ proptest! {
     ) {
         let host = Host::new(HostConfig {
             devices: 1,
+            first_device: 0,
             memory_per_device: 1 << 30,
             granularity: 2 << 20,
         })

@@ -9,6 +9,7 @@ use vmpool::vmm::host::{Host, HostConfig};
 pub fn host() -> Arc<Host> {
     Host::new(HostConfig {
         devices: 2,
+        first_device: 0,
         memory_per_device: 1 << 30,
         granularity: 2 << 20,
     })
@@ -65,6 +66,7 @@ pub fn at_every_call_site(
         for n in 0.. {
             let host = Host::new(HostConfig {
                 devices: 1,
+                first_device: 0,
                 memory_per_device: 1 << 30,
                 granularity: 2 << 20,
             })

@@ -33,6 +33,10 @@ pub trait Backend: Send + Sync + 'static {
     fn device_count(&self) -> Result<u32>;
     /// The size and alignment unit of chunks and mappings (2 MiB on H200).
     fn granularity(&self, device: DeviceId) -> Result<usize>;
+    /// The device's UUID (`cuDeviceGetUuid_v2`): the same physical device
+    /// has the same UUID in every process, whatever ordinal
+    /// `CUDA_VISIBLE_DEVICES` gives it there.
+    fn device_uuid(&self, device: DeviceId) -> Result<[u8; 16]>;
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
 
     // ---- virtual address space -------------------------------------------

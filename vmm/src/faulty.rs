@@ -112,6 +112,9 @@ impl<B: Backend> Backend for Faulty<B> {
     fn granularity(&self, device: DeviceId) -> Result<usize> {
         self.inner.granularity(device)
     }
+    fn device_uuid(&self, device: DeviceId) -> Result<[u8; 16]> {
+        self.inner.device_uuid(device)
+    }
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         self.inner.mem_info(device)
     }

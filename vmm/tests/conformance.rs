@@ -72,6 +72,15 @@ pub fn devices_and_granularity<B: Backend>(b: &Arc<B>) {
     assert_kind(b.granularity(missing), ErrorKind::InvalidDevice);
     assert_kind(b.create_chunk(missing, g), ErrorKind::InvalidDevice);
     assert_kind(b.create_stream(missing).map(drop), ErrorKind::InvalidDevice);
+    // Every device has a UUID of its own, the same on every call.
+    let uuids: Vec<[u8; 16]> = (0..b.device_count().unwrap())
+        .map(|d| b.device_uuid(DeviceId(d)).unwrap())
+        .collect();
+    assert_eq!(b.device_uuid(DEV).unwrap(), uuids[0]);
+    assert_ne!(uuids[0], [0; 16]);
+    let distinct: std::collections::HashSet<_> = uuids.iter().collect();
+    assert_eq!(distinct.len(), uuids.len(), "{uuids:x?}");
+    assert_kind(b.device_uuid(missing), ErrorKind::InvalidDevice);
 }
 
 // ---- address space ---------------------------------------------------------
@@ -457,6 +466,7 @@ mod open {
     pub fn host() -> Arc<vmm::host::Host> {
         vmm::host::Host::new(vmm::host::HostConfig {
             devices: 2,
+            first_device: 0,
             memory_per_device: 256 << 20,
             granularity: 2 << 20,
         })
@@ -480,6 +490,26 @@ cases!(suite, host);
 cases!(suite, cuda);
 
 // ---- host only: timing the GPU gives no guarantee of -------------------------
+
+/// A host backend that sees the machine from its device 1 on (as
+/// `CUDA_VISIBLE_DEVICES=1,...` would) gives its device 0 the UUID that a
+/// backend seeing every device gives its device 1.
+#[test]
+fn host_uuids_follow_the_machine_not_the_ordinal() {
+    let config = |first_device| vmm::host::HostConfig {
+        devices: 2,
+        first_device,
+        memory_per_device: 256 << 20,
+        granularity: 2 << 20,
+    };
+    let all = vmm::host::Host::new(config(0)).unwrap();
+    let later = vmm::host::Host::new(config(1)).unwrap();
+    assert_eq!(
+        later.device_uuid(DeviceId(0)).unwrap(),
+        all.device_uuid(DeviceId(1)).unwrap()
+    );
+    assert!(vmm::host::Host::new(config(u32::MAX)).is_err());
+}
 
 /// On an idle stream the host completes a recorded event at once (a GPU
 /// does within microseconds), so that replays that record events behave the

@@ -393,6 +393,10 @@ impl Backend for Cuda {
         Ok(self.device("granularity", device)?.granularity())
     }
 
+    fn device_uuid(&self, device: DeviceId) -> Result<[u8; 16]> {
+        result::device_get_uuid(self.device("device_uuid", device)?.device())
+    }
+
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         let context = self.device("mem_info", device)?;
         let _bound = context.bind()?;

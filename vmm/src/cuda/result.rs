@@ -137,6 +137,17 @@ pub(crate) fn device_get(ordinal: c_int) -> Result<sys::CUdevice> {
     Ok(device)
 }
 
+/// `cuDeviceGetUuid_v2`: the device's UUID.
+pub(crate) fn device_get_uuid(device: sys::CUdevice) -> Result<[u8; 16]> {
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: `uuid` is a valid place for the driver to write 16 bytes; a
+    // handle that is not a device is an error.
+    check("cuDeviceGetUuid_v2", unsafe {
+        sys::cuDeviceGetUuid_v2(&mut uuid, device)
+    })?;
+    Ok(uuid.bytes.map(|b| b as u8))
+}
+
 /// `cuDevicePrimaryCtxRetain`: retains (and creates, the first time) the
 /// primary context of `device`.
 pub(crate) fn device_primary_ctx_retain(device: sys::CUdevice) -> Result<sys::CUcontext> {

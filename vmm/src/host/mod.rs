@@ -49,6 +49,11 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct HostConfig {
     pub devices: u32,
+    /// Which device of the simulated machine is this backend's device 0,
+    /// as `CUDA_VISIBLE_DEVICES` would renumber them: device `i` has the
+    /// UUID of machine device `first_device + i`, so two backends (two
+    /// processes) can see one device under different ordinals.
+    pub first_device: u32,
     /// Physical memory of each device, in bytes.
     pub memory_per_device: usize,
     /// Chunk and mapping unit; a multiple of the system page size.
@@ -61,6 +66,7 @@ impl Default for HostConfig {
     fn default() -> Self {
         Self {
             devices: 1,
+            first_device: 0,
             memory_per_device: 16 << 30,
             granularity: 2 << 20,
         }
@@ -88,6 +94,9 @@ impl Host {
         let page = rustix::param::page_size();
         if config.devices == 0 {
             return Err(Error::invalid("Host::new", "at least one device is needed"));
+        }
+        if config.first_device.checked_add(config.devices).is_none() {
+            return Err(Error::invalid("Host::new", "device numbers past u32::MAX"));
         }
         if config.granularity == 0 || config.granularity % page != 0 {
             return Err(Error::invalid(
@@ -368,6 +377,13 @@ impl Backend for Host {
     fn granularity(&self, device: DeviceId) -> Result<usize> {
         self.check_device("granularity", device)?;
         Ok(self.config.granularity)
+    }
+
+    fn device_uuid(&self, device: DeviceId) -> Result<[u8; 16]> {
+        self.check_device("device_uuid", device)?;
+        let mut uuid = *b"vmm-host-dev\0\0\0\0";
+        uuid[12..].copy_from_slice(&(self.config.first_device + device.0).to_be_bytes());
+        Ok(uuid)
     }
 
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
