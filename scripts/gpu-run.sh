@@ -15,8 +15,9 @@
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
-# #[ignore]d elsewhere), sharing a pool between processes (tests/ipc), and
-# the peer_access and ipc examples.
+# #[ignore]d elsewhere), sharing a pool between processes (tests/ipc, with
+# its two-GPU case: an importer that numbers devices otherwise), and the
+# peer_access and ipc examples.
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
@@ -106,7 +107,7 @@ for job in $jobs; do
         # Three times: its fault case once failed on this machine
         # (docs/gpu-runs/2026-11-29T2008-x2-multi-tests-examples-torch-record.log).
         for round in 1 2 3; do
-            run "test ipc (two processes), round $round" "$here/tests/ipc" --test-threads=1
+            run "test ipc (two processes), round $round" "$here/tests/ipc" --include-ignored --test-threads=1
         done
         run "example peer_access" "$here/examples/peer_access" --backend cuda
         run "example ipc" "$here/examples/ipc" --backend cuda

@@ -88,6 +88,12 @@ struct Importer {
 impl Importer {
     /// Starts this binary as an importer on `backend` and sends it `handle`.
     fn spawn(backend: &str, handle: OwnedFd) -> Self {
+        Self::spawn_with(backend, handle, &[])
+    }
+
+    /// [`Importer::spawn`], with more variables in the importer's
+    /// environment.
+    fn spawn_with(backend: &str, handle: OwnedFd, env: &[(&str, &str)]) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let path = std::env::temp_dir().join(format!(
             "vmpool-ipc-{}-{}.sock",
@@ -105,6 +111,7 @@ impl Importer {
             ])
             .env(CHILD_ENV, &path)
             .env(BACKEND_ENV, backend)
+            .envs(env.iter().copied())
             .spawn()
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -219,6 +226,7 @@ fn obey<B: Backend>(b: &Arc<B>, socket: UnixStream) {
                 imports[index(1)] = None;
                 "ok".into()
             }
+            "device" => format!("ok {}", pool.device().0),
             "exit" => std::process::exit(0),
             "quit" => {
                 imports.clear();
@@ -376,6 +384,33 @@ fn nothing_left(b: &Arc<Host>) {
 suite!(host, crate::common::host, crate::nothing_left);
 #[cfg(feature = "gpu-tests")]
 suite!(cuda, crate::common::cuda, |_| ());
+
+/// Two GPUs: an importer that sees only the exporter's device 1 (with
+/// `CUDA_VISIBLE_DEVICES=1`), as its device 0, finds it by UUID and reads
+/// the exporter's data there.
+#[cfg(feature = "gpu-tests")]
+#[test]
+#[ignore = "needs two GPUs: gpu-run.sh multi runs it"]
+fn cuda_importer_that_numbers_devices_otherwise() {
+    let b = common::cuda();
+    assert!(b.device_count().unwrap() >= 2, "needs two GPUs");
+    let ctx = Context::new(Arc::clone(&b)).unwrap();
+    let pool = shareable_pool(&ctx, DeviceId(1));
+    let a = pool.allocate(3 << 20).unwrap();
+    let s = b.create_stream(DeviceId(1)).unwrap();
+    b.fill_u32(&s, a.ptr(), (a.size() / 4) as usize, 5).unwrap();
+    b.synchronize_stream(&s).unwrap();
+    let mut child = Importer::spawn_with(
+        "cuda",
+        pool.export_to_shareable_handle().unwrap(),
+        &[("CUDA_VISIBLE_DEVICES", "1")],
+    );
+    assert_eq!(child.ask("device"), "ok 0");
+    assert_eq!(child.import(&pool.export_pointer(&a).unwrap()), "ok 0");
+    assert_eq!(child.ask("read 0"), "ok 5");
+    child.quit();
+    pool.free(a).unwrap();
+}
 
 // ---- host only: one process, two backends ---------------------------------------
 
