@@ -429,27 +429,21 @@ impl<B: Backend> Shim<B> {
             self.wait_for_users(s, &used_on)?;
             pool.free_async(allocation.take().expect("called once"), s)
         });
-        match freed {
-            Ok(Ok(())) => Ok(()),
-            result => {
-                // Not handed over (the stream could not be adopted, or it
-                // could not be made to wait for the allocation's other
-                // users): nothing changed, it stays live.
-                if let Some(allocation) = allocation {
-                    lock(&dev.live).insert(
-                        ptr,
-                        Live {
-                            allocation,
-                            used_on,
-                        },
-                    );
-                }
-                Err(match result {
-                    Err(err) | Ok(Err(err)) => err.into(),
-                    Ok(Ok(())) => unreachable!("matched above"),
-                })
-            }
+        let err = match freed {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(err)) | Err(err) => err,
+        };
+        // Not handed over (the stream could not be adopted, or it could not
+        // be made to wait for the allocation's other users): nothing
+        // changed, it stays live.
+        if let Some(allocation) = allocation {
+            let live = Live {
+                allocation,
+                used_on,
+            };
+            lock(&dev.live).insert(ptr, live);
         }
+        Err(err.into())
     }
 
     /// Makes `stream` wait for the work queued so far on each of `users`
