@@ -22,7 +22,10 @@ so the per-step losses (or generated tokens) must match native's.
 
 `--workloads gather-probe` runs a probe instead of a model: random reads
 over one 16 GiB tensor, to see whether the way an allocator maps its memory
-changes how fast kernels run.
+changes how fast kernels run. `--workloads calls-probe` replays the
+allocation calls of GPT-2 training recorded under PyTorch
+(traces/gpt2_train_torch.trace.gz) through PyTorch's allocator interface,
+with no kernels: what an allocator's calls cost on PyTorch's own path.
 
     python3 scripts/pytorch_compare.py [--steps N] [--repeats R] [--workloads a,b]
                                        [--allocators a,b] [--json OUT.json] [--record DIR]
@@ -54,7 +57,7 @@ ALLOCATORS = {
 }
 WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
 # Not models: run only when named in --workloads.
-PROBES = ["gather-probe"]
+PROBES = ["gather-probe", "calls-probe"]
 WARMUP = 3
 MIB = 1 << 20
 
@@ -151,11 +154,49 @@ def gather_probe(torch, dev, rng, steps):
     return [None] * steps, step
 
 
+def calls_probe(torch, dev, rng, steps):
+    """Not a model: every step replays the allocations and frees of GPT-2
+    training as recorded under PyTorch (`traces/gpt2_train_torch.trace.gz`,
+    57,653 calls) through `torch.cuda.caching_allocator_alloc` / `_delete`
+    on the current stream, and launches nothing. The first step grows the
+    pool; later ones show what the calls cost through PyTorch's allocator
+    interface (its Python loop, the same under every allocator, included)."""
+    import gzip
+
+    trace = next(p for p in (HERE.parent / "traces" / "gpt2_train_torch.trace.gz",
+                             HERE / "traces" / "gpt2_train_torch.trace.gz") if p.is_file())
+    ops = []
+    with gzip.open(trace, "rt") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] == "a":
+                ops.append((int(fields[1]), int(fields[2])))
+            elif fields and fields[0] == "f":
+                ops.append((int(fields[1]), None))
+    stream = torch.cuda.current_stream().cuda_stream
+    device = torch.cuda.current_device()
+    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+
+    def step(_):
+        live = {}
+        for id_, size in ops:
+            if size is None:
+                delete(live.pop(id_))
+            else:
+                live[id_] = alloc(size, device, stream)
+        for ptr in live.values():
+            delete(ptr)
+        return float(len(ops))
+
+    return [None] * steps, step
+
+
 BUILD = {
     "gpt2-train": gpt2_train,
     "gpt2-generate": gpt2_generate,
     "resnet50-train": resnet50_train,
     "gather-probe": gather_probe,
+    "calls-probe": calls_probe,
 }
 
 
