@@ -28,9 +28,11 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
-    # tests/soak.rs runs the soak binary by its path on this machine, on the
-    # host backend; the GPU machine runs the binary itself (the soak job).
+    # tests/soak.rs and tests/replay_cli.rs run the soak and replay
+    # binaries by their paths on this machine, on the host backend; the GPU
+    # machine runs the binaries themselves (the soak and replay jobs).
     [ "$name" = soak ] && continue
+    [ "$name" = replay_cli ] && continue
     # capi/tests/python.rs checks the Python helper on the host backend,
     # with the library of this machine's build; nothing for the GPU.
     [ "$name" = python ] && continue

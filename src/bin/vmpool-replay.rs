@@ -1,6 +1,6 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
-//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc] [--json] TRACE
+//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc] [--passes N] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -9,6 +9,11 @@
 //! attribute; for plain cuMemAlloc, the device's used memory (from
 //! cuMemGetInfo after each allocation, outside the timed calls) over what
 //! it was before the replay.
+//!
+//! `--passes N` replays the trace N times on the same allocator, freeing
+//! what is still live at the end of each pass, as a long-running program
+//! repeats its work: it shows whether the footprint stays where the first
+//! pass left it.
 
 use std::fs::File;
 use std::io::IsTerminal;
@@ -49,6 +54,10 @@ struct Args {
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
     stream_ordered: bool,
+    /// Replay the trace this many times on the same allocator, freeing
+    /// what is still live at the end of each pass.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    passes: u32,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -58,6 +67,8 @@ struct Args {
 #[derive(Default)]
 struct Report {
     peak_reserved: u64,
+    /// Peak reserved bytes as each pass ended.
+    pass_peaks: Vec<u64>,
     ops: u64,
     nanos: u128,
     remaps: u64,
@@ -99,6 +110,7 @@ fn replay_vmpool<B: Backend>(
     trace: &Trace,
     chunk_size: Option<u64>,
     stream_ordered: bool,
+    passes: usize,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(&PoolProps {
@@ -115,30 +127,37 @@ fn replay_vmpool<B: Backend>(
         true => pool.free_async(a, &stream),
         false => pool.free(a),
     };
-    let mut live: Vec<Option<vmpool::Allocation>> = Vec::with_capacity(trace.slots);
-    live.resize_with(trace.slots, || None);
-    let bar = progress(trace.ops.len());
-    let start = Instant::now();
-    for (i, op) in trace.ops.iter().enumerate() {
-        match *op {
-            TraceOp::Alloc { slot, size, .. } => live[slot] = Some(allocate(size)?),
-            TraceOp::Free { slot, .. } => free(live[slot].take().expect("trace frees a live id"))?,
+    let bar = progress(trace.ops.len() * passes);
+    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
+    for pass in 0..passes {
+        let mut live: Vec<Option<vmpool::Allocation>> = Vec::with_capacity(trace.slots);
+        live.resize_with(trace.slots, || None);
+        let start = Instant::now();
+        for (i, op) in trace.ops.iter().enumerate() {
+            match *op {
+                TraceOp::Alloc { slot, size, .. } => live[slot] = Some(allocate(size)?),
+                TraceOp::Free { slot, .. } => {
+                    free(live[slot].take().expect("trace frees a live id"))?
+                }
+            }
+            if i % 4096 == 0 {
+                bar.set_position((pass * trace.ops.len() + i) as u64);
+            }
         }
-        if i % 4096 == 0 {
-            bar.set_position(i as u64);
+        nanos += start.elapsed().as_nanos();
+        pool.audit().map_err(anyhow::Error::msg)?;
+        for a in live.into_iter().flatten() {
+            free(a)?;
         }
+        pass_peaks.push(pool.attribute(PoolAttribute::ReservedMemHigh));
     }
-    let nanos = start.elapsed().as_nanos();
     bar.finish_and_clear();
     let stats = pool.stats();
-    pool.audit().map_err(anyhow::Error::msg)?;
-    for a in live.into_iter().flatten() {
-        free(a)?;
-    }
     ctx.synchronize_stream(&stream)?;
     Ok(Report {
         peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
-        ops: trace.ops.len() as u64,
+        pass_peaks,
+        ops: (trace.ops.len() * passes) as u64,
         nanos,
         remaps: stats.remaps,
         bytes_remapped: stats.bytes_remapped,
@@ -152,35 +171,41 @@ fn replay_vmpool<B: Backend>(
 }
 
 /// Replays on CUDA's stream-ordered pool, release threshold max, one stream.
-fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Report> {
+fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
     let pool = vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?;
     let stream = cuda.create_stream(DeviceId(0))?;
-    let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> = Vec::with_capacity(trace.slots);
-    live.resize_with(trace.slots, || None);
-    let bar = progress(trace.ops.len());
-    let start = Instant::now();
-    for (i, op) in trace.ops.iter().enumerate() {
-        match *op {
-            TraceOp::Alloc { slot, size, .. } => {
-                live[slot] = Some(pool.alloc(size as usize, &stream)?)
+    let bar = progress(trace.ops.len() * passes);
+    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
+    for pass in 0..passes {
+        let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> =
+            Vec::with_capacity(trace.slots);
+        live.resize_with(trace.slots, || None);
+        let start = Instant::now();
+        for (i, op) in trace.ops.iter().enumerate() {
+            match *op {
+                TraceOp::Alloc { slot, size, .. } => {
+                    live[slot] = Some(pool.alloc(size as usize, &stream)?)
+                }
+                TraceOp::Free { slot, .. } => {
+                    pool.free(live[slot].take().expect("trace frees a live id"), &stream)?
+                }
             }
-            TraceOp::Free { slot, .. } => {
-                pool.free(live[slot].take().expect("trace frees a live id"), &stream)?
+            if i % 4096 == 0 {
+                bar.set_position((pass * trace.ops.len() + i) as u64);
             }
         }
-        if i % 4096 == 0 {
-            bar.set_position(i as u64);
+        nanos += start.elapsed().as_nanos();
+        for a in live.into_iter().flatten() {
+            pool.free(a, &stream)?;
         }
+        pass_peaks.push(pool.reserved_high()?);
     }
-    let nanos = start.elapsed().as_nanos();
     bar.finish_and_clear();
-    for a in live.into_iter().flatten() {
-        pool.free(a, &stream)?;
-    }
     cuda.synchronize_stream(&stream)?;
     Ok(Report {
         peak_reserved: pool.reserved_high()?,
-        ops: trace.ops.len() as u64,
+        pass_peaks,
+        ops: (trace.ops.len() * passes) as u64,
         nanos,
         ..Report::default()
     })
@@ -188,7 +213,7 @@ fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Repor
 
 /// Replays on plain cuMemAlloc / cuMemFree; each call timed on its own so
 /// that the memory sampling between them stays out of the figure.
-fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Report> {
+fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
     let malloc = vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?;
     let used = || -> Result<u64> {
         let m = cuda.mem_info(DeviceId(0))?;
@@ -196,34 +221,39 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace) -> Result<Repo
     };
     let baseline = used()?;
     let mut peak = baseline;
-    let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> = Vec::with_capacity(trace.slots);
-    live.resize_with(trace.slots, || None);
-    let bar = progress(trace.ops.len());
-    let mut nanos = 0u128;
-    for (i, op) in trace.ops.iter().enumerate() {
-        let start = Instant::now();
-        match *op {
-            TraceOp::Alloc { slot, size, .. } => {
-                live[slot] = Some(malloc.alloc(size as usize)?);
-                nanos += start.elapsed().as_nanos();
-                peak = peak.max(used()?);
+    let bar = progress(trace.ops.len() * passes);
+    let (mut nanos, mut pass_peaks) = (0u128, Vec::with_capacity(passes));
+    for pass in 0..passes {
+        let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> =
+            Vec::with_capacity(trace.slots);
+        live.resize_with(trace.slots, || None);
+        for (i, op) in trace.ops.iter().enumerate() {
+            let start = Instant::now();
+            match *op {
+                TraceOp::Alloc { slot, size, .. } => {
+                    live[slot] = Some(malloc.alloc(size as usize)?);
+                    nanos += start.elapsed().as_nanos();
+                    peak = peak.max(used()?);
+                }
+                TraceOp::Free { slot, .. } => {
+                    malloc.free(live[slot].take().expect("trace frees a live id"))?;
+                    nanos += start.elapsed().as_nanos();
+                }
             }
-            TraceOp::Free { slot, .. } => {
-                malloc.free(live[slot].take().expect("trace frees a live id"))?;
-                nanos += start.elapsed().as_nanos();
+            if i % 4096 == 0 {
+                bar.set_position((pass * trace.ops.len() + i) as u64);
             }
         }
-        if i % 4096 == 0 {
-            bar.set_position(i as u64);
+        for a in live.into_iter().flatten() {
+            malloc.free(a)?;
         }
+        pass_peaks.push(peak - baseline);
     }
     bar.finish_and_clear();
-    for a in live.into_iter().flatten() {
-        malloc.free(a)?;
-    }
     Ok(Report {
         peak_reserved: peak - baseline,
-        ops: trace.ops.len() as u64,
+        pass_peaks,
+        ops: (trace.ops.len() * passes) as u64,
         nanos,
         ..Report::default()
     })
@@ -239,6 +269,7 @@ fn main() -> Result<()> {
     if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
         bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
     }
+    let passes = args.passes as usize;
     let report = match (args.backend, args.allocator) {
         (BackendKind::Host, AllocatorKind::Vmpool) => {
             // A device large enough for the trace: four times its peak.
@@ -253,6 +284,7 @@ fn main() -> Result<()> {
                 &trace,
                 args.chunk_size,
                 args.stream_ordered,
+                passes,
             )?
         }
         (BackendKind::Cuda, AllocatorKind::Vmpool) => replay_vmpool(
@@ -260,16 +292,22 @@ fn main() -> Result<()> {
             &trace,
             args.chunk_size,
             args.stream_ordered,
+            passes,
         )?,
         (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
-            replay_cuda_async(&vmm::cuda::Cuda::new()?, &trace)?
+            replay_cuda_async(&vmm::cuda::Cuda::new()?, &trace, passes)?
         }
         (BackendKind::Cuda, AllocatorKind::CudaMalloc) => {
-            replay_cuda_malloc(&vmm::cuda::Cuda::new()?, &trace)?
+            replay_cuda_malloc(&vmm::cuda::Cuda::new()?, &trace, passes)?
         }
         (BackendKind::Host, _) => bail!("the CUDA allocators need --backend cuda"),
     };
     let ratio = report.peak_reserved as f64 / trace.peak_live as f64;
+    let pass_ratios: Vec<f64> = report
+        .pass_peaks
+        .iter()
+        .map(|&p| p as f64 / trace.peak_live as f64)
+        .collect();
     let ns_per_op = report.nanos as f64 / report.ops as f64;
     let backend = match args.backend {
         BackendKind::Host => "host",
@@ -294,6 +332,8 @@ fn main() -> Result<()> {
                 "peak_live_bytes": trace.peak_live,
                 "peak_reserved_bytes": report.peak_reserved,
                 "ratio": ratio,
+                "passes": passes,
+                "pass_ratios": pass_ratios,
                 "ops": report.ops,
                 "ns_per_op": ns_per_op,
                 "remaps": report.remaps,
@@ -313,6 +353,10 @@ fn main() -> Result<()> {
         println!("peak live       {:>14} bytes", trace.peak_live);
         println!("peak reserved   {:>14} bytes", report.peak_reserved);
         println!("ratio           {ratio:>14.4}");
+        if passes > 1 {
+            let each: Vec<String> = pass_ratios.iter().map(|r| format!("{r:.4}")).collect();
+            println!("after each pass {:>14}", each.join(" "));
+        }
         println!("ops             {:>14}", report.ops);
         println!("ns per op       {ns_per_op:>14.1}");
         println!(

@@ -1,0 +1,53 @@
+//! `vmpool-replay` as a user runs it, on the host backend.
+
+use std::process::Command;
+
+/// A trace whose last allocation is never freed, replayed three times: each
+/// pass frees what the trace left live, so passes 2 and 3 start from an idle
+/// pool, and the report covers every pass.
+#[test]
+fn passes_replay_the_trace_again_on_the_same_pool() {
+    let path = std::env::temp_dir().join(format!("vmpool-passes-{}.trace", std::process::id()));
+    std::fs::write(
+        &path,
+        "a 1 3145728 1\na 2 40000000 1\nf 1 1\na 3 1000 1\nf 2 1\n",
+    )
+    .unwrap();
+    let run = |passes: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
+            .args(["--json", "--passes", passes])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let one = run("1");
+    let three = run("3");
+    assert_eq!(one["passes"], 1);
+    assert_eq!(three["passes"], 3);
+    assert_eq!(three["ops"], 3 * one["ops"].as_u64().unwrap());
+    let ratios: Vec<f64> = three["pass_ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_f64().unwrap())
+        .collect();
+    assert_eq!(ratios.len(), 3);
+    assert_eq!(ratios[0], one["ratio"].as_f64().unwrap());
+    // A high-water mark: it never goes down, and the last is the report's.
+    assert!(ratios.windows(2).all(|w| w[0] <= w[1]), "{ratios:?}");
+    assert_eq!(ratios[2], three["ratio"].as_f64().unwrap());
+    // No pass is not a run.
+    let zero = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
+        .args(["--passes", "0"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!zero.status.success());
+    std::fs::remove_file(&path).unwrap();
+}
