@@ -42,6 +42,23 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
     // A high-water mark: it never goes down, and the last is the report's.
     assert!(ratios.windows(2).all(|w| w[0] <= w[1]), "{ratios:?}");
     assert_eq!(ratios[2], three["ratio"].as_f64().unwrap());
+    // Without defragmentation nothing moves.
+    let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
+        .args(["--json", "--passes", "3", "--no-defragment"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fixed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(fixed["remaps"], 0);
+    assert!(fixed["allocator"]
+        .as_str()
+        .unwrap()
+        .contains("no defragmentation"));
     // No pass is not a run.
     let zero = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
         .args(["--passes", "0"])

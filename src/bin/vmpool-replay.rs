@@ -54,6 +54,10 @@ struct Args {
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
     stream_ordered: bool,
+    /// vmpool only: never move unused chunks (`PoolProps::defragment`
+    /// off); growth creates new ones instead.
+    #[arg(long)]
+    no_defragment: bool,
     /// Replay the trace this many times on the same allocator, freeing
     /// what is still live at the end of each pass.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -110,11 +114,13 @@ fn replay_vmpool<B: Backend>(
     trace: &Trace,
     chunk_size: Option<u64>,
     stream_ordered: bool,
+    defragment: bool,
     passes: usize,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(&PoolProps {
         chunk_size,
+        defragment,
         ..PoolProps::new(DeviceId(0))
     })?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
@@ -269,6 +275,9 @@ fn main() -> Result<()> {
     if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
         bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
     }
+    if args.no_defragment && args.allocator != AllocatorKind::Vmpool {
+        bail!("--no-defragment is for vmpool");
+    }
     let passes = args.passes as usize;
     let report = match (args.backend, args.allocator) {
         (BackendKind::Host, AllocatorKind::Vmpool) => {
@@ -284,6 +293,7 @@ fn main() -> Result<()> {
                 &trace,
                 args.chunk_size,
                 args.stream_ordered,
+                !args.no_defragment,
                 passes,
             )?
         }
@@ -292,6 +302,7 @@ fn main() -> Result<()> {
             &trace,
             args.chunk_size,
             args.stream_ordered,
+            !args.no_defragment,
             passes,
         )?,
         (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
@@ -321,6 +332,9 @@ fn main() -> Result<()> {
         .to_string();
     if args.stream_ordered {
         allocator += " (stream-ordered)";
+    }
+    if args.no_defragment {
+        allocator += " (no defragmentation)";
     }
     if args.json {
         println!(
