@@ -67,10 +67,10 @@ pub(crate) struct Pending {
 /// of the size asked for. Past that the allocation takes the pool's lock,
 /// which merges all the stream's pending frees into the heap; so a stream
 /// that frees thousands of blocks before allocating again pays for one
-/// merge, not for thousands of long searches. On the 15 replayed traces
-/// (`docs/RESULTS.md`) every block the hot path reuses lies within 128 of
-/// the end: the footprints are those of an unbounded search (32 changes
-/// them).
+/// merge, not for thousands of long searches. With 128, a replay of each
+/// of the 15 traces of `docs/RESULTS.md` and the two recorded under
+/// PyTorch (`traces/`) gives the footprint an unbounded search gives (32
+/// changes them).
 const HOT_SEARCH: usize = 128;
 
 /// The pending frees one stream has made in one pool.
