@@ -1,6 +1,7 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
-//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc] [--passes N] [--json] TRACE
+//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc]
+//!                   [--chunk-size BYTES] [--stream-ordered] [--no-defragment] [--passes N] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
