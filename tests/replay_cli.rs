@@ -13,9 +13,10 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
         "a 1 3145728 1\na 2 40000000 1\nf 1 1\na 3 1000 1\nf 2 1\n",
     )
     .unwrap();
-    let run = |passes: &str| {
+    let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
-            .args(["--json", "--passes", passes])
+            .arg("--json")
+            .args(args)
             .arg(&path)
             .output()
             .unwrap();
@@ -26,8 +27,8 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
         );
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
-    let one = run("1");
-    let three = run("3");
+    let one = run(&["--passes", "1"]);
+    let three = run(&["--passes", "3"]);
     assert_eq!(one["passes"], 1);
     assert_eq!(three["passes"], 3);
     assert_eq!(three["ops"], 3 * one["ops"].as_u64().unwrap());
@@ -43,17 +44,7 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
     assert!(ratios.windows(2).all(|w| w[0] <= w[1]), "{ratios:?}");
     assert_eq!(ratios[2], three["ratio"].as_f64().unwrap());
     // Without defragmentation nothing moves.
-    let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
-        .args(["--json", "--passes", "3", "--no-defragment"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let fixed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fixed = run(&["--passes", "3", "--no-defragment"]);
     assert_eq!(fixed["remaps"], 0);
     assert!(fixed["allocator"]
         .as_str()
