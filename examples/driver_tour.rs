@@ -3,7 +3,9 @@
 //! streams with events; each step timed. Then what each step of growing and
 //! moving physical memory costs per chunk size (medians), which is what the
 //! pool's chunk size is chosen from; and whether each of those steps waits
-//! for work queued on the device. Runs on the GPU when one is present,
+//! for work queued on the device; and whether a move's unmap, left to a
+//! helper thread, leaves the mapping thread's path. Runs on the GPU when
+//! one is present,
 //! else on the host backend, and says which.
 //!
 //!     cargo run --release --example driver_tour [-- --backend host|cuda]
@@ -108,7 +110,89 @@ fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
         b.query_event(&event)?
     );
     chunk_costs(b, &range)?;
-    behind_queued_work(b, &range)
+    behind_queued_work(b, &range)?;
+    unmap_on_another_thread(b, &range)
+}
+
+/// Whether a move's unmap can leave the mapping thread. A move maps a
+/// chunk at its new place, gives it access and unmaps its old place (a
+/// chunk may be mapped at two places at once). Timed here: 32 moves of
+/// 32 MiB chunks with the unmap inline, and with it sent to a helper
+/// thread; on an idle device and behind queued work. The mapping
+/// thread's time per move is what an allocation waits for.
+fn unmap_on_another_thread<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+    const MOVES: usize = 32;
+    const SIZE: usize = 32 << 20;
+    let rw = [AccessDesc::read_write(DEV)];
+    let stream = b.create_stream(DEV)?;
+    println!("\n{MOVES} moves of {} MiB chunks (us a move): the mapping thread's time, and until every unmap is done", SIZE >> 20);
+    for loaded in [false, true] {
+        for helper in [false, true] {
+            let chunks = (0..MOVES)
+                .map(|_| Ok(Chunk::new(b, DEV, SIZE)?))
+                .collect::<Result<Vec<_>>>()?;
+            let old = chunks
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let m = Mapping::new(range, (5 << 37) + i * SIZE, c)?;
+                    m.set_access(&rw)?;
+                    Ok(m)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if loaded {
+                b.delay(&stream, Duration::from_secs(2))?;
+            }
+            let (tx, rx) = std::sync::mpsc::channel::<Mapping<B>>();
+            let worker = helper.then(|| {
+                std::thread::spawn(move || -> Result<()> {
+                    for m in rx {
+                        m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+                    }
+                    Ok(())
+                })
+            });
+            let start = Instant::now();
+            let mut moved = Vec::new();
+            for (i, (c, m)) in chunks.iter().zip(old).enumerate() {
+                let new = Mapping::new(range, (5 << 37) + (1 << 36) + i * SIZE, c)?;
+                new.set_access(&rw)?;
+                if helper {
+                    tx.send(m)?;
+                } else {
+                    m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+                }
+                moved.push(new);
+            }
+            let mapping_thread = start.elapsed();
+            drop(tx);
+            if let Some(worker) = worker {
+                worker.join().expect("the unmapping thread panicked")?;
+            }
+            let all = start.elapsed();
+            let per = |d: Duration| d.as_secs_f64() * 1e6 / MOVES as f64;
+            println!(
+                "  {:<13} unmap {:<18} {:>8.1} {:>8.1}",
+                if loaded {
+                    "behind work:"
+                } else {
+                    "idle device:"
+                },
+                if helper {
+                    "on a helper thread"
+                } else {
+                    "inline"
+                },
+                per(mapping_thread),
+                per(all)
+            );
+            for m in moved {
+                m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+            }
+            b.synchronize_stream(&stream)?;
+        }
+    }
+    Ok(())
 }
 
 /// Whether a driver step waits for work queued on the device: each step
