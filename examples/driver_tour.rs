@@ -5,8 +5,7 @@
 //! pool's chunk size is chosen from; and whether each of those steps waits
 //! for work queued on the device; and whether a move's unmap, left to a
 //! helper thread, leaves the mapping thread's path. Runs on the GPU when
-//! one is present,
-//! else on the host backend, and says which.
+//! one is present, else on the host backend, and says which.
 //!
 //!     cargo run --release --example driver_tour [-- --backend host|cuda]
 
