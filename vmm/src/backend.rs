@@ -116,6 +116,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Blocks until all work queued on `stream` so far has finished; reports
     /// a failure of that work.
     fn synchronize_stream(&self, stream: &Self::Stream) -> Result<()>;
+    /// Whether work queued on `stream` is being captured into a CUDA graph
+    /// (`cuStreamBeginCapture` .. `cuStreamEndCapture`). While it is, the
+    /// driver refuses a wait on an event recorded outside the capture, and
+    /// an event recorded on it cannot be queried or waited for from outside
+    /// the capture, even after it ends (until it is recorded again).
+    fn stream_capturing(&self, stream: &Self::Stream) -> Result<bool>;
     fn create_event(&self, device: DeviceId) -> Result<Self::Event>;
     /// Captures the work queued on `stream` so far into `event`, replacing
     /// what it captured before.
@@ -145,4 +151,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Queues work that keeps `stream` busy for `duration`. (The CUDA
     /// backend compiles its spin kernel on the first call, about 0.1 s.)
     fn delay(&self, stream: &Self::Stream, duration: Duration) -> Result<()>;
+    /// Starts capturing `stream`'s work into a graph, as PyTorch's
+    /// `torch.cuda.graph` does (global mode): see
+    /// [`Backend::stream_capturing`] for what the driver then refuses.
+    /// The host backend captures nothing, but refuses the same calls, and
+    /// work or a synchronisation on the capturing stream.
+    fn begin_capture(&self, stream: &Self::Stream) -> Result<()>;
+    /// Ends the capture `begin_capture` started on this thread and drops
+    /// the graph. An error if the capture was invalidated (on CUDA, by a
+    /// refused call on the capturing thread, or in global mode on any).
+    fn end_capture(&self, stream: &Self::Stream) -> Result<()>;
 }

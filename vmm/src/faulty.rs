@@ -178,6 +178,9 @@ impl<B: Backend> Backend for Faulty<B> {
     fn synchronize_stream(&self, stream: &B::Stream) -> Result<()> {
         self.inner.synchronize_stream(stream)
     }
+    fn stream_capturing(&self, stream: &B::Stream) -> Result<bool> {
+        self.inner.stream_capturing(stream)
+    }
     fn create_event(&self, device: DeviceId) -> Result<B::Event> {
         self.enter(Call::CreateEvent)?;
         self.inner.create_event(device)
@@ -201,6 +204,12 @@ impl<B: Backend> Backend for Faulty<B> {
     }
     fn copy_to_host(&self, stream: &B::Stream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
         self.inner.copy_to_host(stream, src, dst)
+    }
+    fn begin_capture(&self, stream: &B::Stream) -> Result<()> {
+        self.inner.begin_capture(stream)
+    }
+    fn end_capture(&self, stream: &B::Stream) -> Result<()> {
+        self.inner.end_capture(stream)
     }
     fn delay(&self, stream: &B::Stream, duration: Duration) -> Result<()> {
         self.inner.delay(stream, duration)

@@ -416,6 +416,48 @@ pub fn only_shareable_chunks_export<B: Backend>(b: &Arc<B>) {
     assert_eq!(read_u32s(&**b, &s, m.va(), 16), vec![0x5a5a; 16]);
 }
 
+/// What a graph capture (as PyTorch's `torch.cuda.graph` makes) refuses,
+/// which the pool must never ask for on a capturing stream.
+pub fn capture_refuses_what_crosses_it<B: Backend>(b: &Arc<B>) {
+    let s = b.create_stream(DEV).unwrap();
+    let other = b.create_stream(DEV).unwrap();
+    let outside = b.create_event(DEV).unwrap();
+    b.record_event(&outside, &other).unwrap();
+    let inside = b.create_event(DEV).unwrap();
+    assert!(!b.stream_capturing(&s).unwrap());
+    // A clean capture: an event recorded in it is part of the graph.
+    b.begin_capture(&s).unwrap();
+    assert!(b.stream_capturing(&s).unwrap());
+    assert!(!b.stream_capturing(&other).unwrap());
+    b.record_event(&inside, &s).unwrap();
+    b.end_capture(&s).unwrap();
+    assert!(!b.stream_capturing(&s).unwrap());
+    // It stays the graph's: not to be queried or waited for, even after
+    // the capture, until recorded again.
+    assert!(b.query_event(&inside).is_err(), "query of a captured event");
+    assert!(
+        b.stream_wait_event(&other, &inside).is_err(),
+        "wait for a captured event"
+    );
+    b.record_event(&inside, &other).unwrap();
+    b.synchronize_event(&inside).unwrap();
+    assert_eq!(b.query_event(&inside).unwrap(), EventStatus::Complete);
+    // A capturing stream cannot wait for an event recorded outside the
+    // capture, and that spoils the capture.
+    b.begin_capture(&s).unwrap();
+    assert!(
+        b.stream_wait_event(&s, &outside).is_err(),
+        "a capturing stream waits for an outside event"
+    );
+    assert!(
+        b.end_capture(&s).is_err(),
+        "the capture survived the refusal"
+    );
+    assert!(!b.stream_capturing(&s).unwrap());
+    // The stream works as before.
+    b.synchronize_stream(&s).unwrap();
+}
+
 macro_rules! cases {
     ($m:ident, $backend:ident) => {
         $m!(
@@ -440,7 +482,8 @@ macro_rules! cases {
                 chain_of_three_streams,
                 wait_captures_record_at_call_time,
                 get_access_reports_the_driver_state,
-                only_shareable_chunks_export
+                only_shareable_chunks_export,
+                capture_refuses_what_crosses_it
             ]
         );
     };

@@ -669,6 +669,13 @@ impl Backend for Cuda {
         unsafe { result::stream_synchronize(stream.stream) }
     }
 
+    fn stream_capturing(&self, stream: &CudaStream) -> Result<bool> {
+        let _bound = stream.context.bind()?;
+        // SAFETY: a `CudaStream` holds a live stream (or the legacy default
+        // stream) until it is dropped.
+        unsafe { result::stream_is_capturing(stream.stream) }
+    }
+
     fn create_event(&self, device: DeviceId) -> Result<CudaEvent> {
         let context = self.device("create_event", device)?;
         let _bound = context.bind()?;
@@ -746,6 +753,20 @@ impl Backend for Cuda {
         }
         // SAFETY: a `CudaStream` holds a live stream until it is dropped.
         unsafe { result::stream_synchronize(stream.stream) }
+    }
+
+    fn begin_capture(&self, stream: &CudaStream) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        // SAFETY: a `CudaStream` holds a live stream until it is dropped;
+        // the driver refuses the legacy default stream.
+        unsafe { result::stream_begin_capture(stream.stream) }
+    }
+
+    fn end_capture(&self, stream: &CudaStream) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        // SAFETY: a live stream (as above); the driver refuses one that is
+        // not capturing, or whose capture another thread began.
+        unsafe { result::stream_end_capture(stream.stream) }
     }
 
     fn delay(&self, stream: &CudaStream, duration: Duration) -> Result<()> {

@@ -463,6 +463,53 @@ pub(crate) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     })
 }
 
+/// `cuStreamIsCapturing`: whether work queued on `stream` is being
+/// captured into a graph (an invalidated capture counts: it lasts until
+/// its end call).
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`], or the legacy
+///    default stream.
+pub(crate) unsafe fn stream_is_capturing(stream: sys::CUstream) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller upholds 1; `status` is a valid place for the answer.
+    check("cuStreamIsCapturing", unsafe {
+        sys::cuStreamIsCapturing(stream, &mut status)
+    })?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// `cuStreamBeginCapture_v2` in global mode (PyTorch's default for
+/// `torch.cuda.graph`).
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`stream_create`].
+pub(crate) unsafe fn stream_begin_capture(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller upholds 1.
+    check("cuStreamBeginCapture", unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    })
+}
+
+/// `cuStreamEndCapture`, then `cuGraphDestroy` of the graph it made. An
+/// invalidated capture is an error (and makes no graph).
+///
+/// # Safety
+/// 1. `stream` is a live stream capturing since [`stream_begin_capture`] on
+///    this thread.
+pub(crate) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<()> {
+    let mut graph = ptr::null_mut();
+    // SAFETY: the caller upholds 1; `graph` is a valid place for the graph.
+    check("cuStreamEndCapture", unsafe {
+        sys::cuStreamEndCapture(stream, &mut graph)
+    })?;
+    // SAFETY: `graph` was just made by the capture and is used nowhere else.
+    check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) })
+}
+
 /// `cuStreamWaitEvent` with no flags.
 ///
 /// # Safety

@@ -645,6 +645,10 @@ impl Backend for Host {
         stream.synchronize()
     }
 
+    fn stream_capturing(&self, stream: &HostStream) -> Result<bool> {
+        Ok(stream.capturing())
+    }
+
     fn create_event(&self, device: DeviceId) -> Result<HostEvent> {
         self.check_device("create_event", device)?;
         Ok(HostEvent::new(device, Arc::clone(&self.memory)))
@@ -690,6 +694,14 @@ impl Backend for Host {
             ));
         }
         stream.copy(src, dst)
+    }
+
+    fn begin_capture(&self, stream: &HostStream) -> Result<()> {
+        stream.set_capturing("begin_capture", true)
+    }
+
+    fn end_capture(&self, stream: &HostStream) -> Result<()> {
+        stream.set_capturing("end_capture", false)
     }
 
     fn delay(&self, stream: &HostStream, duration: Duration) -> Result<()> {

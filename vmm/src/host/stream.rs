@@ -13,7 +13,7 @@
 //! faulted: later operations are skipped and every later point completes
 //! with the error, which the next synchronize or query reports.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::Duration;
@@ -108,6 +108,11 @@ pub struct HostStream {
     device: DeviceId,
     ops: mpsc::Sender<Op>,
     progress: Arc<Progress>,
+    /// Acting as if a CUDA graph capture were under way (see
+    /// [`HostStream::set_capturing`]), and whether a refused call has
+    /// invalidated it.
+    capturing: AtomicBool,
+    invalidated: AtomicBool,
 }
 
 impl HostStream {
@@ -123,11 +128,62 @@ impl HostStream {
             device,
             ops,
             progress,
+            capturing: AtomicBool::new(false),
+            invalidated: AtomicBool::new(false),
         })
     }
 
     pub fn device(&self) -> DeviceId {
         self.device
+    }
+
+    /// Makes the stream act as if a graph capture began (`true`) or ended
+    /// (`false`) on it. Nothing is captured; what the driver refuses during
+    /// a capture is refused: work or a synchronisation on the stream, a
+    /// wait on it for an event recorded outside the capture, and any query
+    /// of, synchronisation with or (from outside the capture) wait for an
+    /// event last recorded on it while capturing, until that event is
+    /// recorded again. A refused call on the stream invalidates the
+    /// capture: ending it is then an error.
+    pub(super) fn set_capturing(&self, call: &'static str, on: bool) -> Result<()> {
+        if self.capturing.swap(on, Ordering::AcqRel) == on {
+            return Err(Error::invalid(
+                call,
+                if on {
+                    "the stream is capturing already"
+                } else {
+                    "the stream is not capturing"
+                },
+            ));
+        }
+        if !on && self.invalidated.swap(false, Ordering::AcqRel) {
+            return Err(Error::rejected(
+                call,
+                ErrorKind::Other,
+                "a refused call invalidated the capture (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn capturing(&self) -> bool {
+        self.capturing.load(Ordering::Acquire)
+    }
+
+    /// A refusal of `call` that invalidates the capture.
+    fn invalidate(&self, call: &'static str, why: &str) -> Error {
+        self.invalidated.store(true, Ordering::Release);
+        Error::rejected(call, ErrorKind::Other, why)
+    }
+
+    fn not_capturing(&self, call: &'static str) -> Result<()> {
+        if self.capturing() {
+            return Err(self.invalidate(
+                call,
+                "the stream is capturing a graph (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)",
+            ));
+        }
+        Ok(())
     }
 
     fn send(&self, op: Op) -> Result<()> {
@@ -152,10 +208,12 @@ impl HostStream {
     }
 
     pub(super) fn fill(&self, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
+        self.not_capturing("fill_u32")?;
         self.send(Op::Fill { dst, count, value })
     }
 
     pub(super) fn copy(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        self.not_capturing("copy_to_host")?;
         let (reply, answer) = mpsc::channel();
         self.send(Op::Copy {
             src,
@@ -170,10 +228,12 @@ impl HostStream {
     }
 
     pub(super) fn delay(&self, duration: Duration) -> Result<()> {
+        self.not_capturing("delay")?;
         self.send(Op::Delay(duration))
     }
 
     pub(super) fn synchronize(&self) -> Result<()> {
+        self.not_capturing("synchronize_stream")?;
         let point = Point::new();
         self.signal(&point)?;
         point.wait()
@@ -222,6 +282,8 @@ fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>, progress: &
 pub struct HostEvent {
     device: DeviceId,
     latest: Mutex<Option<Arc<Point>>>,
+    /// Last recorded on a stream that was capturing.
+    captured: AtomicBool,
     /// Counts this event in the backend's census while it lives.
     memory: Arc<Memory>,
 }
@@ -232,6 +294,7 @@ impl HostEvent {
         Self {
             device,
             latest: Mutex::new(None),
+            captured: AtomicBool::new(false),
             memory,
         }
     }
@@ -246,25 +309,58 @@ impl HostEvent {
 
     pub(super) fn record(&self, stream: &HostStream) -> Result<()> {
         same_device("record_event", self.device, stream.device)?;
-        let point = Point::new();
         // Hold the event's lock across the send so that two records racing
         // on one event leave it pointing at the later of the two.
         let mut latest = lock(&self.latest);
+        if stream.capturing() {
+            // Becomes a node of the graph: nothing to wait for outside it.
+            self.captured.store(true, Ordering::Release);
+            *latest = None;
+            return Ok(());
+        }
+        let point = Point::new();
         stream.signal(&point)?;
+        self.captured.store(false, Ordering::Release);
         *latest = Some(point);
         Ok(())
     }
 
+    /// Refuses, as the driver does, an event last recorded while capturing.
+    fn not_captured(&self, call: &'static str) -> Result<()> {
+        if self.captured.load(Ordering::Acquire) {
+            return Err(Error::rejected(
+                call,
+                ErrorKind::Other,
+                "the event was last recorded in a capturing stream (CUDA_ERROR_CAPTURED_EVENT)",
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn query(&self) -> Result<EventStatus> {
+        self.not_captured("query_event")?;
         self.latest()
             .map_or(Ok(EventStatus::Complete), |p| p.status())
     }
 
     pub(super) fn synchronize(&self) -> Result<()> {
+        self.not_captured("synchronize_event")?;
         self.latest().map_or(Ok(()), |p| p.wait())
     }
 
     pub(super) fn make_wait(&self, stream: &HostStream) -> Result<()> {
+        if stream.capturing() && self.captured.load(Ordering::Acquire) {
+            // A join inside the capture: ordering the host does not model.
+            return Ok(());
+        }
+        self.not_captured("stream_wait_event")?;
+        if stream.capturing() {
+            return Err(stream.invalidate(
+                "stream_wait_event",
+                "a capturing stream cannot wait for an event recorded outside its capture \
+                 (CUDA_ERROR_STREAM_CAPTURE_ISOLATION)",
+            ));
+        }
         match self.latest() {
             Some(point) => stream.send(Op::Wait(point)),
             None => Ok(()),
