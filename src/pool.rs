@@ -1380,10 +1380,9 @@ impl<B: Backend> Inner<B> {
                 if self.reuse[0] && s.state().clock.get(id) >= seq {
                     continue;
                 }
-                if !self.reuse[2] {
+                if !self.reuse[2] || self.wait_for_frees_of(space, s, id)?.is_none() {
                     return Ok(false);
                 }
-                self.wait_for_frees_of(space, s, id)?;
             }
         }
         self.remove_guards(addr, end, found);
@@ -1446,6 +1445,8 @@ impl<B: Backend> Inner<B> {
         merged.clear();
         self.merging = merged;
         if any && self.streams[&stream.id].events.is_empty() {
+            // None while the stream captures a graph: its frees stay
+            // guarded (they are its own to reuse) until a later miss.
             self.event_after_frees(space, stream.id)?;
         }
         Ok(())
@@ -1518,7 +1519,9 @@ impl<B: Backend> Inner<B> {
                 Some((id, near))
             });
             if let Some((id, near)) = candidate {
-                let event_seq = self.wait_for_frees_of(space, stream, id)?;
+                let Some(event_seq) = self.wait_for_frees_of(space, stream, id)? else {
+                    return Ok(None);
+                };
                 let reg = &self.streams[&id];
                 // The other stream's own hot path may have taken the block
                 // meanwhile; then this is a wait for nothing, and we grow.
@@ -1536,14 +1539,22 @@ impl<B: Backend> Inner<B> {
 
     /// Makes `stream` wait (on the device) for every free stream `id` has
     /// made so far (an internal dependency); returns the position of `id`
-    /// it is now ordered after.
+    /// it is now ordered after. `None`, with nothing done, when either
+    /// stream is capturing a graph: a capturing stream cannot wait for work
+    /// outside its capture, and an event recorded on one belongs to the
+    /// graph.
     fn wait_for_frees_of(
         &mut self,
         space: &Space<B>,
         stream: &Arc<StreamShared<B>>,
         id: u64,
-    ) -> Result<u64> {
-        let event_seq = self.event_after_frees(space, id)?;
+    ) -> Result<Option<u64>> {
+        if space.backend.stream_capturing(&stream.raw)? {
+            return Ok(None);
+        }
+        let Some(event_seq) = self.event_after_frees(space, id)? else {
+            return Ok(None);
+        };
         let (_, event) = self.streams[&id]
             .events
             .iter()
@@ -1552,12 +1563,15 @@ impl<B: Backend> Inner<B> {
         space.backend.stream_wait_event(&stream.raw, event)?;
         stream.state().clock.advance(id, event_seq);
         self.stats.waits_inserted += 1;
-        Ok(event_seq)
+        Ok(Some(event_seq))
     }
 
     /// An event on stream `id` that captures all its frees so far; records
-    /// one if the latest does not. Returns the position it captured.
-    fn event_after_frees(&mut self, space: &Space<B>, id: u64) -> Result<u64> {
+    /// one if the latest does not. Returns the position it captured; `None`
+    /// when one is needed but the stream is capturing a graph (an event
+    /// recorded then would belong to the graph, and the driver would
+    /// refuse to query it).
+    fn event_after_frees(&mut self, space: &Space<B>, id: u64) -> Result<Option<u64>> {
         let reg = self.streams.get_mut(&id).expect("caller checked");
         let last_free = reg
             .stream
@@ -1567,8 +1581,11 @@ impl<B: Backend> Inner<B> {
             .map_or(0, |f| f.last_free);
         if let Some((seq, _)) = reg.events.back() {
             if *seq >= last_free {
-                return Ok(*seq);
+                return Ok(Some(*seq));
             }
+        }
+        if space.backend.stream_capturing(&reg.stream.raw)? {
+            return Ok(None);
         }
         let event = match self.idle_events.pop() {
             Some(event) => event,
@@ -1585,7 +1602,7 @@ impl<B: Backend> Inner<B> {
         }
         reg.events.push_back((seq, event));
         self.stats.events_recorded += 1;
-        Ok(seq)
+        Ok(Some(seq))
     }
 
     /// Records an event after the latest free of every stream that has
@@ -1670,6 +1687,10 @@ impl<B: Backend> Inner<B> {
             .map(|(&id, reg)| (id, Arc::clone(&reg.stream)))
             .collect();
         for (id, stream) in streams {
+            // A capturing stream cannot be waited for; its frees stay.
+            if backend.stream_capturing(&stream.raw).unwrap_or(true) {
+                continue;
+            }
             let upto = stream.current_seq();
             match backend.synchronize_stream(&stream.raw) {
                 Ok(()) => self.release_pending(id, upto),

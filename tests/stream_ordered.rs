@@ -429,7 +429,50 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// A stream capturing a graph (as under PyTorch's `torch.cuda.graph`)
+/// allocates, frees, reuses its own frees and grows, and the capture
+/// holds: the pool records no event on it and makes it wait for nothing
+/// outside the capture (the driver refuses both, and a refused call spoils
+/// the capture). Memory another stream freed and has not passed is not
+/// taken during the capture, as that needs such a wait; afterwards it is.
+pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: &Arc<B>) {
+    let (ctx, pool) = setup(b, ALL_ON);
+    let s = ctx.create_stream(DEV).unwrap();
+    let other = ctx.create_stream(DEV).unwrap();
+    let theirs = pool.allocate_async(WHOLE, &other).unwrap();
+    b.delay(other.raw(), LATE).unwrap();
+    pool.free_async(theirs, &other).unwrap();
+    let waits = pool.stats().waits_inserted;
+    b.begin_capture(s.raw()).unwrap();
+    let mut live = Vec::new();
+    for _ in 0..4 {
+        for size in [3000, MIB, 8 * MIB, WHOLE, WHOLE + 5 * MIB] {
+            live.push(pool.allocate_async(size, &s).unwrap());
+        }
+        // Frees in the capture, reused by the next round.
+        for a in live.drain(..3) {
+            pool.free_async(a, &s).unwrap();
+        }
+    }
+    assert_eq!(pool.stats().waits_inserted, waits, "a wait in the capture");
+    b.end_capture(s.raw())
+        .expect("the pool spoiled the capture");
+    for a in live {
+        pool.free_async(a, &s).unwrap();
+    }
+    // After the capture the other stream's free is usable again, by a
+    // wait if it has not passed yet.
+    let after = pool.allocate_async(WHOLE, &s).unwrap();
+    pool.free_async(after, &s).unwrap();
+    ctx.synchronize_device(DEV).unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().used_bytes, 0);
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    pool.audit().unwrap();
+}
+
 suites!(
+    a_capturing_stream_allocates_without_spoiling_the_capture,
     same_stream_reuse_without_synchronization,
     own_frees_are_reused_at_any_size,
     own_frees_move_before_the_stream_passes,
