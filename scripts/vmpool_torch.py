@@ -38,11 +38,19 @@ _FIELDS = [
     "refused_frees",
     "timed_calls",
     "call_nanos",
+    "graph_pools",
+    "graph_reserved_bytes",
 ]
 
 
 class _Stats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in _FIELDS]
+
+
+class MempoolId(ctypes.Structure):
+    """PyTorch's id of a CUDA graph's private pool (`MempoolId_t`)."""
+
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
 
 
 def library_path():
@@ -73,6 +81,11 @@ def library():
         lib.vmpool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.vmpool_record_stream.restype = None
         lib.vmpool_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.vmpool_begin_allocate_to_pool.restype = None
+        lib.vmpool_begin_allocate_to_pool.argtypes = [ctypes.c_int, MempoolId, ctypes.c_void_p]
+        for name in ("vmpool_end_allocate_to_pool", "vmpool_release_pool"):
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [ctypes.c_int, MempoolId]
         lib.vmpool_stats.restype = _Stats
         lib.vmpool_stats.argtypes = [ctypes.c_int]
         for name in ("vmpool_synchronize", "vmpool_reset_peaks", "vmpool_print_snapshot"):
@@ -95,19 +108,28 @@ def install():
     """Makes vmpool PyTorch's CUDA allocator. Call it before anything
     allocates CUDA memory (PyTorch refuses the change afterwards).
 
-    It also hooks `Tensor.record_stream`: without the hook PyTorch drops
-    those calls for a pluggable allocator, and memory freed on one stream
-    while another still reads it would be reused under that read."""
+    It also hooks `Tensor.record_stream`, and the private pools of CUDA
+    graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
+    calls for a pluggable allocator, and memory would be reused under
+    another stream's reads, or under a graph's replays."""
     import torch
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
-    hook = getattr(allocator.allocator(), "set_record_stream_fn", None)
-    if hook is None:
+    lib = library()
+    hooks = [
+        ("set_record_stream_fn", lib.vmpool_record_stream, "Tensor.record_stream"),
+        ("set_begin_allocate_to_pool", lib.vmpool_begin_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
+    ]
+    missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
+    if missing:
         raise RuntimeError(
-            "this PyTorch cannot pass Tensor.record_stream to a pluggable allocator "
-            "(no set_record_stream_fn); vmpool would reuse memory other streams still use"
+            "this PyTorch cannot pass %s to a pluggable allocator (no %s); vmpool would reuse "
+            "memory still in use" % (" and ".join(sorted({w for _, w in missing})), ", ".join(n for n, _ in missing))
         )
-    hook(ctypes.cast(library().vmpool_record_stream, ctypes.c_void_p).value)
+    for name, fn, _ in hooks:
+        getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(allocator)
     return allocator
 

@@ -57,6 +57,25 @@ void vmpool_free(void *ptr, ssize_t size, int device, void *stream);
  * nothing. */
 void vmpool_record_stream(void *ptr, void *stream);
 
+/* CUDA graphs. A graph replays into the memory its capture allocated, so
+ * that memory must go to nothing else while the graph lives. PyTorch gives
+ * each capture a private pool id and calls these hooks around it
+ * (vmpool_torch.install sets them); each id gets a vmpool pool of its own.
+ * While one is open (begin .. end), an allocation on a stream that is
+ * capturing (cuStreamIsCapturing) comes from it; a free goes back to the
+ * pool it came from; a released pool goes, with its memory, when its last
+ * allocation is freed. One capture at a time per device: an allocation on
+ * a capturing stream while two pools are open fails (NULL, logged).
+ * `filter` is PyTorch's stream filter (a C++ object passed by reference);
+ * vmpool does not use it. vmpool_trim and the figures of vmpool_stats other
+ * than graph_pools and graph_reserved_bytes are the device's pool only. */
+typedef struct {
+    uint64_t first, second;
+} vmpool_mempool_id_t;
+void vmpool_begin_allocate_to_pool(int device, vmpool_mempool_id_t pool, const void *filter);
+void vmpool_end_allocate_to_pool(int device, vmpool_mempool_id_t pool);
+void vmpool_release_pool(int device, vmpool_mempool_id_t pool);
+
 /* Waits for every stream vmpool has seen on `device`; then their frees are
  * reusable on every stream, and the pool keeps at most its release
  * threshold. 0 on success, -1 on failure (logged). */
@@ -81,6 +100,7 @@ typedef struct {
     uint64_t pending_bytes; /* freed in stream order, not yet free for all */
     uint64_t refused_frees;
     uint64_t timed_calls, call_nanos; /* VMPOOL_TIMING=1: alloc and free calls, and their time */
+    uint64_t graph_pools, graph_reserved_bytes; /* CUDA graphs' private pools, and their memory */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */

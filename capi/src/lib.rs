@@ -166,6 +166,54 @@ pub extern "C" fn vmpool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     )
 }
 
+/// PyTorch's id of a CUDA graph's private pool (`c10::cuda::MempoolId_t`,
+/// a pair of 64-bit ids), passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct VmpoolMempoolId {
+    pub first: u64,
+    pub second: u64,
+}
+
+/// Opens the private pool `pool` of a CUDA graph about to be captured on
+/// `device`: until [`vmpool_end_allocate_to_pool`], allocations on a
+/// capturing stream come from it (PyTorch's `beginAllocateToPool`). The
+/// third argument is PyTorch's stream filter, a C++ object vmpool neither
+/// reads nor calls: it asks the driver whether the stream is capturing.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_begin_allocate_to_pool(
+    device: c_int,
+    pool: VmpoolMempoolId,
+    _filter: *const c_void,
+) {
+    call(
+        "begin_allocate_to_pool",
+        (),
+        |g| with_shim!(g, s => s.begin_graph_pool(i64::from(device), (pool.first, pool.second))),
+    );
+}
+
+/// Closes `pool` at the end of its capture (PyTorch's `endAllocateToPool`).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_end_allocate_to_pool(device: c_int, pool: VmpoolMempoolId) {
+    call(
+        "end_allocate_to_pool",
+        (),
+        |g| with_shim!(g, s => s.end_graph_pool(i64::from(device), (pool.first, pool.second))),
+    );
+}
+
+/// The graph of `pool` is gone (PyTorch's `releasePool`): the pool and its
+/// memory go once its last allocation is freed.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
+    call(
+        "release_pool",
+        (),
+        |g| with_shim!(g, s => s.release_graph_pool(i64::from(device), (pool.first, pool.second))),
+    );
+}
+
 /// Waits for every stream vmpool has seen on `device`, makes their frees
 /// reusable everywhere, and trims the pool to its release threshold.
 /// 0 on success, -1 on failure (logged).
@@ -228,6 +276,10 @@ pub struct VmpoolStats {
     /// timed, and the nanoseconds spent in them.
     pub timed_calls: u64,
     pub call_nanos: u64,
+    /// CUDA graphs' private pools, and the physical bytes they hold (not
+    /// in `reserved_bytes`, which is the device's pool).
+    pub graph_pools: u64,
+    pub graph_reserved_bytes: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -251,6 +303,8 @@ impl From<Figures> for VmpoolStats {
             refused_frees: f.refused_frees,
             timed_calls: f.timed_calls,
             call_nanos: f.call_nanos,
+            graph_pools: f.graph_pools,
+            graph_reserved_bytes: f.graph_reserved_bytes,
         }
     }
 }

@@ -12,11 +12,22 @@
 //!   vmpool_free(ptr, size, device, stream)
 //!     live.remove(ptr) ──► stream waits for each `used_on` stream's work so far
 //!                      ──► free_async on the stream; not there: refused
+//!   vmpool_begin_allocate_to_pool(device, id) .. vmpool_end_allocate_to_pool
+//!     an allocation on a capturing stream ──► the graph's own pool, `id`
 //! ```
+//!
+//! **CUDA graphs.** A graph replays into the memory its capture allocated,
+//! including what the capture freed again, so that memory must not go to
+//! anything else while the graph lives. PyTorch gives each capture a
+//! private pool id (`MempoolId_t`) and calls the begin / end / release
+//! hooks around it; here each id gets a pool of its own. While one is open
+//! (begin .. end), an allocation on a stream that is capturing goes to it;
+//! a free goes to the pool its allocation came from; the pool goes when it
+//! is released and its last allocation is freed.
 #![deny(unsafe_code)]
 
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::Instant;
 
@@ -167,6 +178,31 @@ pub enum CallError {
     Vmpool(#[from] vmpool::Error),
     #[error("writing the allocation trace: {0}")]
     Trace(std::io::Error),
+    #[error(
+        "an allocation on a capturing stream while {open} graph pools are open on device {device}: \
+         vmpool cannot tell which capture it belongs to (one capture at a time per device)"
+    )]
+    WhichCapture { device: u32, open: usize },
+    #[error("graph pool {id:?} on device {device}: {why}")]
+    GraphPool {
+        device: u32,
+        id: GraphPoolId,
+        why: &'static str,
+    },
+}
+
+/// PyTorch's id of a CUDA graph's private memory pool (`MempoolId_t`).
+pub type GraphPoolId = (u64, u64);
+
+/// A CUDA graph's private pool (see the module's notes).
+struct GraphPool<B: Backend> {
+    pool: Pool<B>,
+    /// Between begin and end: allocations on capturing streams come here.
+    open: bool,
+    /// The graph is gone: the pool goes with its last allocation.
+    released: bool,
+    /// Allocations handed out from it and not yet freed.
+    live: usize,
 }
 
 /// How the C layer turns a caller's stream handle into a backend stream:
@@ -182,6 +218,11 @@ struct Device<B: Backend> {
     streams: RwLock<FxHashMap<usize, Stream<B>>>,
     /// What vmpool handed out and the caller has not freed, by pointer.
     live: Mutex<FxHashMap<u64, Live<B>>>,
+    /// CUDA graphs' private pools, by PyTorch's id, and how many are open:
+    /// only while one is does an allocation ask whether its stream is
+    /// capturing.
+    graphs: Mutex<FxHashMap<GraphPoolId, GraphPool<B>>>,
+    open_graphs: AtomicUsize,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
     refused_frees: AtomicU64,
     /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their time.
@@ -195,6 +236,8 @@ struct Device<B: Backend> {
 struct Live<B: Backend> {
     allocation: Allocation,
     used_on: Vec<Stream<B>>,
+    /// The graph pool it came from; `None`: the device's pool.
+    graph: Option<GraphPoolId>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -217,6 +260,9 @@ pub struct Figures {
     pub refused_frees: u64,
     pub timed_calls: u64,
     pub call_nanos: u64,
+    /// CUDA graphs' private pools, and the physical bytes they hold.
+    pub graph_pools: u64,
+    pub graph_reserved_bytes: u64,
 }
 
 impl<B: Backend> Shim<B> {
@@ -230,6 +276,8 @@ impl<B: Backend> Shim<B> {
                 creating: Mutex::new(()),
                 streams: RwLock::default(),
                 live: Mutex::default(),
+                graphs: Mutex::default(),
+                open_graphs: AtomicUsize::new(0),
                 refused_frees: AtomicU64::new(0),
                 timed_calls: AtomicU64::new(0),
                 call_nanos: AtomicU64::new(0),
@@ -263,23 +311,30 @@ impl<B: Backend> Shim<B> {
         if let Some(pool) = device.pool.get() {
             return Ok(pool);
         }
+        let pool = self.new_pool(device.id)?;
+        self.context.set_current_pool(&pool)?;
+        tracing::info!(device = device.id.0, "vmpool: pool created");
+        Ok(device.pool.get_or_init(|| pool))
+    }
+
+    /// A pool of `device` with the configured chunk size and threshold.
+    fn new_pool(&self, device: DeviceId) -> vmpool::Result<Pool<B>> {
         let props = PoolProps {
             chunk_size: self.config.chunk_size,
-            ..PoolProps::new(device.id)
+            ..PoolProps::new(device)
         };
         let pool = self.context.create_pool(&props)?;
         pool.set_attribute(
             PoolAttribute::ReleaseThreshold,
             self.config.release_threshold,
         )?;
-        self.context.set_current_pool(&pool)?;
-        tracing::info!(
-            device = device.id.0,
+        tracing::debug!(
+            device = device.0,
             ?props,
             release_threshold = self.config.release_threshold,
-            "vmpool: pool created"
+            "vmpool: new pool"
         );
-        Ok(device.pool.get_or_init(|| pool))
+        Ok(pool)
     }
 
     /// Calls `f` with the vmpool stream for the caller's `handle`, adopted
@@ -353,14 +408,136 @@ impl<B: Backend> Shim<B> {
             return Ok(0);
         }
         let pool = self.pool(dev)?;
+        if dev.open_graphs.load(Ordering::Acquire) > 0 {
+            if let Some(ptr) = self.alloc_for_capture(dev, size, stream)? {
+                return Ok(ptr);
+            }
+        }
         let allocation = self.with_stream(dev, stream, |s| pool.allocate_async(size, s))??;
         let ptr = allocation.ptr().0;
         let live = Live {
             allocation,
             used_on: Vec::new(),
+            graph: None,
         };
         lock(&dev.live).insert(ptr, live);
         Ok(ptr)
+    }
+
+    /// While a graph pool is open: `size` bytes from it when `stream` is
+    /// capturing, else `None` (the device's pool serves it).
+    #[cold]
+    fn alloc_for_capture(
+        &self,
+        dev: &Device<B>,
+        size: u64,
+        stream: usize,
+    ) -> Result<Option<u64>, CallError> {
+        let backend = self.context.backend();
+        let taken = self.with_stream(dev, stream, |s| -> Result<Option<u64>, CallError> {
+            if !backend
+                .stream_capturing(s.raw())
+                .map_err(vmpool::Error::from)?
+            {
+                return Ok(None);
+            }
+            let mut graphs = lock(&dev.graphs);
+            let mut open = graphs.iter_mut().filter(|(_, g)| g.open);
+            let (Some((&id, graph)), None) = (open.next(), open.next()) else {
+                let open = graphs.values().filter(|g| g.open).count();
+                if open == 0 {
+                    // Closed meanwhile: not a capture vmpool was told of.
+                    return Ok(None);
+                }
+                return Err(CallError::WhichCapture {
+                    device: dev.id.0,
+                    open,
+                });
+            };
+            let allocation = graph.pool.allocate_async(size, s)?;
+            graph.live += 1;
+            let ptr = allocation.ptr().0;
+            let live = Live {
+                allocation,
+                used_on: Vec::new(),
+                graph: Some(id),
+            };
+            lock(&dev.live).insert(ptr, live);
+            Ok(Some(ptr))
+        })?;
+        taken
+    }
+
+    /// Opens graph pool `id` (made on first use): until it is closed,
+    /// allocations on capturing streams of `device` come from it
+    /// (PyTorch's `beginAllocateToPool`, at the start of a capture).
+    pub fn begin_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        let mut graphs = lock(&dev.graphs);
+        let graph = match graphs.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(GraphPool {
+                pool: self.new_pool(dev.id)?,
+                open: false,
+                released: false,
+                live: 0,
+            }),
+        };
+        if graph.open {
+            return Err(CallError::GraphPool {
+                device: dev.id.0,
+                id,
+                why: "opened twice",
+            });
+        }
+        graph.open = true;
+        graph.released = false;
+        dev.open_graphs.fetch_add(1, Ordering::AcqRel);
+        tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool open");
+        Ok(())
+    }
+
+    /// Closes graph pool `id`: allocations go to the device's pool again;
+    /// what the pool handed out is freed to it (PyTorch's
+    /// `endAllocateToPool`, at the end of a capture).
+    pub fn end_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        let mut graphs = lock(&dev.graphs);
+        match graphs.get_mut(&id) {
+            Some(graph) if graph.open => {
+                graph.open = false;
+                dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
+                Ok(())
+            }
+            _ => Err(CallError::GraphPool {
+                device: dev.id.0,
+                id,
+                why: "closed but not open",
+            }),
+        }
+    }
+
+    /// The graph of pool `id` is gone (PyTorch's `releasePool`): the pool
+    /// goes, with its memory, once its last allocation is freed.
+    pub fn release_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        let mut graphs = lock(&dev.graphs);
+        let Some(graph) = graphs.get_mut(&id) else {
+            return Err(CallError::GraphPool {
+                device: dev.id.0,
+                id,
+                why: "released but never opened",
+            });
+        };
+        if graph.open {
+            graph.open = false;
+            dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
+        }
+        graph.released = true;
+        if graph.live == 0 {
+            graphs.remove(&id);
+        }
+        Ok(())
     }
 
     /// Notes that the work queued on `stream` from now until `ptr` is
@@ -406,6 +583,7 @@ impl<B: Backend> Shim<B> {
         let Some(Live {
             allocation,
             used_on,
+            graph,
         }) = lock(&dev.live).remove(&ptr)
         else {
             dev.refused_frees.fetch_add(1, Ordering::Relaxed);
@@ -423,14 +601,30 @@ impl<B: Backend> Shim<B> {
                 "vmpool: free names another size than was allocated; freeing the allocation"
             );
         }
-        let pool = self.pool(dev)?;
+        let graph_pool;
+        let pool = match graph {
+            None => self.pool(dev)?,
+            Some(id) => {
+                graph_pool = lock(&dev.graphs)
+                    .get(&id)
+                    .expect("a graph pool stays while it has allocations")
+                    .pool
+                    .clone();
+                &graph_pool
+            }
+        };
         let mut allocation = Some(allocation);
         let freed = self.with_stream(dev, stream, |s| {
             self.wait_for_users(s, &used_on)?;
             pool.free_async(allocation.take().expect("called once"), s)
         });
         let err = match freed {
-            Ok(Ok(())) => return Ok(()),
+            Ok(Ok(())) => {
+                if let Some(id) = graph {
+                    self.graph_allocation_freed(dev, id);
+                }
+                return Ok(());
+            }
             Ok(Err(err)) | Err(err) => err,
         };
         // Not handed over (the stream could not be adopted, or it could not
@@ -440,10 +634,25 @@ impl<B: Backend> Shim<B> {
             let live = Live {
                 allocation,
                 used_on,
+                graph,
             };
             lock(&dev.live).insert(ptr, live);
         }
         Err(err.into())
+    }
+
+    /// Counts a free of graph pool `id`'s; the last of a released pool's
+    /// drops it.
+    fn graph_allocation_freed(&self, dev: &Device<B>, id: GraphPoolId) {
+        let mut graphs = lock(&dev.graphs);
+        let graph = graphs
+            .get_mut(&id)
+            .expect("a graph pool stays while it has allocations");
+        graph.live -= 1;
+        if graph.released && graph.live == 0 {
+            graphs.remove(&id);
+            tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
+        }
     }
 
     /// Makes `stream` wait for the work queued so far on each of `users`
@@ -509,10 +718,19 @@ impl<B: Backend> Shim<B> {
     /// The device's figures; all zero before its first allocation.
     pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
         let dev = self.device(device)?;
+        let (graph_pools, graph_reserved_bytes) = {
+            let graphs = lock(&dev.graphs);
+            (
+                graphs.len() as u64,
+                graphs.values().map(|g| g.pool.stats().reserved_bytes).sum(),
+            )
+        };
         let calls = Figures {
             refused_frees: dev.refused_frees.load(Ordering::Relaxed),
             timed_calls: dev.timed_calls.load(Ordering::Relaxed),
             call_nanos: dev.call_nanos.load(Ordering::Relaxed),
+            graph_pools,
+            graph_reserved_bytes,
             ..Figures::default()
         };
         Ok(match dev.pool.get() {
@@ -670,6 +888,79 @@ mod tests {
         ));
         shim.synchronize(0).unwrap();
         assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 0);
+    }
+
+    /// While a graph pool is open, allocations on a capturing stream come
+    /// from it and nothing else: after the capture, what it freed is not
+    /// handed to other allocations (a replay would write there), and the
+    /// pool goes with its last allocation once released.
+    #[test]
+    fn a_capture_allocates_from_its_graph_pool_only() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(Arc::clone(&host), config(&[]).unwrap(), odd_handles_only).unwrap();
+        let id = (0, 7);
+        let eager = shim.alloc(4 << 20, 0, 1).unwrap();
+        shim.begin_graph_pool(0, id).unwrap();
+        // Not capturing: the device's pool.
+        let outside = shim.alloc(4 << 20, 0, 3).unwrap();
+        let capturing = host_stream(&shim, 1);
+        host.begin_capture(capturing.raw()).unwrap();
+        let mut graph: Vec<u64> = Vec::new();
+        for size in [3000, 1 << 20, 40 << 20, 1 << 20] {
+            graph.push(shim.alloc(size, 0, 1).unwrap());
+        }
+        // Intermediates freed in the capture, and reused within it.
+        shim.free(graph[1], -1, 0, 1).unwrap();
+        graph.push(shim.alloc(1 << 20, 0, 1).unwrap());
+        shim.free(graph[2], -1, 0, 1).unwrap();
+        host.end_capture(capturing.raw()).unwrap();
+        shim.end_graph_pool(0, id).unwrap();
+        let figures = shim.figures(0).unwrap();
+        assert_eq!(figures.graph_pools, 1);
+        assert!(figures.graph_reserved_bytes >= 40 << 20);
+        assert_eq!(figures.stats.used_bytes, 8 << 20, "eager and outside only");
+        // After the capture, on the same stream and others: never the
+        // graph's memory, freed or not.
+        for handle in [1, 3] {
+            for size in [3000, 1 << 20, 40 << 20] {
+                let p = shim.alloc(size, 0, handle).unwrap();
+                assert!(!graph.contains(&p), "{p:#x} belongs to the graph");
+            }
+        }
+        shim.release_graph_pool(0, id).unwrap();
+        assert_eq!(shim.figures(0).unwrap().graph_pools, 1, "allocations live");
+        for p in [graph[0], graph[3], graph[4]] {
+            shim.free(p, -1, 0, 3).unwrap();
+        }
+        assert_eq!(shim.figures(0).unwrap().graph_pools, 0);
+        shim.free(eager, -1, 0, 1).unwrap();
+        shim.free(outside, -1, 0, 3).unwrap();
+        assert!(shim.end_graph_pool(0, id).is_err(), "no longer open");
+        assert!(shim.release_graph_pool(0, id).is_err(), "gone");
+    }
+
+    #[test]
+    fn two_open_graph_pools_refuse_a_capturing_allocation() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(Arc::clone(&host), config(&[]).unwrap(), odd_handles_only).unwrap();
+        shim.begin_graph_pool(0, (0, 1)).unwrap();
+        assert!(shim.begin_graph_pool(0, (0, 1)).is_err(), "open already");
+        shim.begin_graph_pool(0, (0, 2)).unwrap();
+        let s = host_stream(&shim, 1);
+        host.begin_capture(s.raw()).unwrap();
+        assert!(matches!(
+            shim.alloc(4096, 0, 1),
+            Err(CallError::WhichCapture { open: 2, .. })
+        ));
+        // Not capturing: served as usual.
+        let p = shim.alloc(4096, 0, 3).unwrap();
+        host.end_capture(s.raw()).unwrap();
+        shim.free(p, 4096, 0, 3).unwrap();
+        for id in [(0, 1), (0, 2)] {
+            shim.end_graph_pool(0, id).unwrap();
+            shim.release_graph_pool(0, id).unwrap();
+        }
+        assert_eq!(shim.figures(0).unwrap().graph_pools, 0);
     }
 
     #[test]

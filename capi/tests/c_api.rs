@@ -9,8 +9,9 @@ use std::sync::Once;
 use std::thread;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_record_stream, vmpool_reset_peaks,
-    vmpool_stats, vmpool_synchronize, vmpool_trim, VmpoolStats,
+    vmpool_alloc, vmpool_backend, vmpool_begin_allocate_to_pool, vmpool_end_allocate_to_pool,
+    vmpool_free, vmpool_record_stream, vmpool_release_pool, vmpool_reset_peaks, vmpool_stats,
+    vmpool_synchronize, vmpool_trim, VmpoolMempoolId, VmpoolStats,
 };
 
 /// Selects the host backend before the library's first call reads the
@@ -134,6 +135,35 @@ fn misuse_is_refused_and_changes_nothing() {
     let q = vmpool_alloc(1000, d, stream(1));
     vmpool_free(q, 999, d, stream(1));
     assert_eq!(stats(d).used_bytes, 0);
+}
+
+/// The graph-pool hooks as PyTorch calls them (the host backend has no
+/// captures: an allocation in the window is served by the device's pool;
+/// `capi/src/shim.rs` tests the routing of a capture). Out of order calls
+/// are logged and change nothing.
+#[test]
+fn graph_pool_hooks() {
+    setup();
+    let d = 4;
+    let id = VmpoolMempoolId {
+        first: 0,
+        second: 3,
+    };
+    vmpool_end_allocate_to_pool(d, id);
+    vmpool_release_pool(d, id);
+    assert_eq!(stats(d).graph_pools, 0);
+    vmpool_begin_allocate_to_pool(d, id, std::ptr::null());
+    vmpool_begin_allocate_to_pool(d, id, std::ptr::null());
+    assert_eq!(stats(d).graph_pools, 1);
+    let p = vmpool_alloc(1 << 20, d, stream(1));
+    assert!(!p.is_null());
+    assert_eq!(stats(d).used_bytes, 1 << 20);
+    assert_eq!(stats(d).graph_reserved_bytes, 0);
+    vmpool_end_allocate_to_pool(d, id);
+    vmpool_release_pool(d, id);
+    assert_eq!(stats(d).graph_pools, 0);
+    vmpool_free(p, 1 << 20, d, stream(1));
+    vmpool_begin_allocate_to_pool(99, id, std::ptr::null());
 }
 
 #[test]

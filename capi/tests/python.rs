@@ -30,6 +30,11 @@ s = v.stats(0)
 assert (s["used_bytes"], s["reserved_bytes"], s["pending_bytes"]) == (0, 0, 0), s
 v.reset_peaks(0)
 assert v.stats(0)["reserved_high"] == 0
+lib.vmpool_begin_allocate_to_pool(0, v.MempoolId(0, 5), None)
+assert v.stats(0)["graph_pools"] == 1
+lib.vmpool_end_allocate_to_pool(0, v.MempoolId(0, 5))
+lib.vmpool_release_pool(0, v.MempoolId(0, 5))
+assert v.stats(0)["graph_pools"] == 0
 try:
     v.stats(3)
     raise AssertionError("device 3 does not exist")
