@@ -3,8 +3,8 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [multi]
-#   (default: all but soak, torch, record-stream and multi; soak runs
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [multi]
+#   (default: all but soak, torch, record-stream, graphs and multi; soak runs
 #   SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
@@ -12,6 +12,9 @@
 #
 # record-stream: scripts/torch_record_stream.py, whether memory another
 # stream still uses (Tensor.record_stream) is reused under it.
+#
+# graphs: scripts/torch_graphs.py, whether CUDA graphs (torch.cuda.graph)
+# capture and replay right, without their memory going to eager tensors.
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
@@ -88,6 +91,9 @@ for job in $jobs; do
         ;;
     record-stream)
         run "pytorch record_stream" python3 "$here/torch/torch_record_stream.py"
+        ;;
+    graphs)
+        run "pytorch graphs" python3 "$here/torch/torch_graphs.py"
         ;;
     replay)
         for trace in "$here"/traces/*; do

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Checks, on the GPU, whether CUDA graphs (`torch.cuda.graph`) work under
+an allocator: the capture succeeds, a replay computes the right result,
+and memory the capture used is not handed to eager tensors while the
+graph can still replay into it.
+
+The capture allocates intermediates (one of them larger than anything
+before, so that the allocator must find new memory during the capture)
+and frees them when it ends. Then eager tensors are filled with a
+sentinel, the graph is replayed on new input, and both the graph's output
+and the sentinels are checked. Under vmpool, the graph's private pool must
+be gone once the graph and its output are. Each case runs in a process of
+its own:
+
+    native   PyTorch's caching allocator (graphs get a private pool)
+    vmpool   vmpool_torch.install()
+
+    python3 scripts/torch_graphs.py
+
+Exits non-zero when a case fails to capture, computes a wrong result,
+loses a sentinel, or (vmpool) keeps the graph's pool.
+"""
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+CASES = ["native", "vmpool"]
+N = 16 << 20  # float32 elements: 64 MiB
+
+
+def child(case):
+    import torch
+    import vmpool_torch
+
+    if case == "vmpool":
+        vmpool_torch.install()
+    dev = torch.device("cuda")
+    result = {"case": case}
+    static_in = torch.randn(N, device=dev)
+
+    def body():
+        a = static_in * 2
+        big = torch.empty(4 * N, device=dev)  # new, larger memory during capture
+        big[:N].copy_(a)
+        return big[:N].sin() + 1
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_out = body()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        result.update(captured=False, error="".join(traceback.format_exception_only(exc)).strip())
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    result["captured"] = True
+    # The capture's intermediates are free now. Eager tensors that take
+    # their memory would be overwritten by a replay.
+    eager = [torch.full((N,), 7.0, device=dev) for _ in range(8)]
+    new_in = torch.randn(N, device=dev)
+    static_in.copy_(new_in)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = (new_in * 2).sin() + 1
+    result["replay_right"] = bool(torch.equal(static_out, expected))
+    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
+    if case == "vmpool":
+        result["graph_pools_during"] = vmpool_torch.stats()["graph_pools"]
+        del graph, static_out
+        torch.cuda.synchronize()
+        result["graph_pools_after"] = vmpool_torch.stats()["graph_pools"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    failed = False
+    for case in CASES:
+        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+            failed = True
+            continue
+        r = json.loads(lines[-1][len("RESULT "):])
+        if not r["captured"]:
+            print(f"{case:8} capture FAILED: {r['error']}")
+            failed = True
+            continue
+        ok = r["replay_right"] and r["sentinels_kept"]
+        line = (f"{case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
+                f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}")
+        if "graph_pools_after" in r:
+            line += (f"; graph pools {r['graph_pools_during']} while the graph lives, "
+                     f"{r['graph_pools_after']} after")
+            ok &= r["graph_pools_during"] == 1 and r["graph_pools_after"] == 0
+        print(line)
+        failed |= not ok
+        tail = [l for l in proc.stderr.splitlines() if "vmpool" in l][-5:]
+        for line in tail:
+            print(f"         log: {line}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
