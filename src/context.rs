@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use vmm::{Backend, DeviceId, EventStatus};
 
+use crate::capture::{Captures, GraphCapture};
 use crate::pool::{Allocation, Pool, PoolProps, Shared, Siblings};
 use crate::stream::{lock, Event, Stream, StreamShared};
 use crate::{Error, Result};
@@ -24,6 +25,8 @@ struct DeviceSlot<B: Backend> {
 pub struct Context<B: Backend> {
     backend: Arc<B>,
     devices: Vec<DeviceSlot<B>>,
+    /// Graph captures announced and not yet ended (see `capture.rs`).
+    captures: Arc<Captures>,
 }
 
 impl<B: Backend> Context<B> {
@@ -36,7 +39,11 @@ impl<B: Backend> Context<B> {
                 streams: Mutex::new(Vec::new()),
             })
             .collect();
-        Ok(Self { backend, devices })
+        Ok(Self {
+            backend,
+            devices,
+            captures: Arc::default(),
+        })
     }
 
     pub fn backend(&self) -> &Arc<B> {
@@ -49,9 +56,22 @@ impl<B: Backend> Context<B> {
             .ok_or(Error::InvalidDevice(device))
     }
 
+    /// Announces a CUDA graph capture (in the driver's global mode) about
+    /// to begin: until the value is dropped, after the capture has ended,
+    /// this context's pools make none of the calls the driver refuses
+    /// during one (`capture.rs` says which, and what changes).
+    pub fn graph_capture(&self) -> GraphCapture {
+        GraphCapture::begin(&self.captures)
+    }
+
     /// Creates an explicit pool with its own properties.
     pub fn create_pool(&self, props: &PoolProps) -> Result<Pool<B>> {
-        Pool::create(&self.backend, props, &self.slot(props.device)?.pools)
+        Pool::create(
+            &self.backend,
+            props,
+            &self.slot(props.device)?.pools,
+            &self.captures,
+        )
     }
 
     /// The device's default pool, created on first use.
@@ -61,7 +81,12 @@ impl<B: Backend> Context<B> {
         if let Some(pool) = &*default {
             return Ok(pool.clone());
         }
-        let pool = Pool::create(&self.backend, &PoolProps::new(device), &slot.pools)?;
+        let pool = Pool::create(
+            &self.backend,
+            &PoolProps::new(device),
+            &slot.pools,
+            &self.captures,
+        )?;
         *default = Some(pool.clone());
         Ok(pool)
     }

@@ -12,6 +12,8 @@
 //!                  allocations, import them there; leases keep the memory
 //!   trace          the shared trace format: read (vmpool-replay), written by
 //!                  pools that record (PoolProps::record, VMPOOL_RECORD)
+//!   GraphCapture   a CUDA graph capture under way (Context::graph_capture):
+//!                  pools then make no call the driver refuses during one
 //! ```
 //!
 //! The allocator is safe Rust: it does address arithmetic and bookkeeping
@@ -19,6 +21,7 @@
 //! allocator whose bookkeeping cannot corrupt memory is easier to trust.
 #![deny(unsafe_code)]
 
+mod capture;
 mod context;
 mod error;
 mod heap;
@@ -28,6 +31,7 @@ mod pool;
 mod stream;
 pub mod trace;
 
+pub use capture::GraphCapture;
 pub use context::Context;
 pub use error::{Error, Result};
 pub use pool::{

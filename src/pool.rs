@@ -62,6 +62,7 @@ use rustc_hash::FxHashMap;
 use vmm::memory::{Chunk, Mapping, Reservation};
 use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, EventStatus};
 
+use crate::capture::Captures;
 use crate::heap::{BlockId, Heap, QUANTUM};
 use crate::ipc::Exports;
 use crate::plan::{self, Plan, Source};
@@ -384,6 +385,8 @@ struct Space<B: Backend> {
     defragment: bool,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
+    /// The context's graph captures under way (see `capture.rs`).
+    captures: Arc<Captures>,
 }
 
 impl<B: Backend> Space<B> {
@@ -542,6 +545,7 @@ impl<B: Backend> Pool<B> {
         backend: &Arc<B>,
         props: &PoolProps,
         siblings: &Arc<Siblings<B>>,
+        captures: &Arc<Captures>,
     ) -> Result<Self> {
         let device = props.device;
         if device.0 >= backend.device_count()? {
@@ -605,6 +609,7 @@ impl<B: Backend> Pool<B> {
                 max_size: props.max_size.unwrap_or(u64::MAX),
                 defragment: props.defragment,
                 shareable: props.handle_type == HandleType::PosixFileDescriptor,
+                captures: Arc::clone(captures),
             },
             inner: Mutex::new(Inner {
                 arenas: [
@@ -834,7 +839,7 @@ impl<B: Backend> Pool<B> {
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
-                    inner.wait_for_pending_frees(&self.0.space.backend);
+                    inner.wait_for_pending_frees(&self.0.space);
                     drop(inner);
                     tracing::debug!(
                         pool = self.0.id,
@@ -956,7 +961,7 @@ impl<B: Backend> Pool<B> {
             let pool = Pool(shared);
             // Memory a pool's streams freed but have not passed is unused
             // too, once they have: wait for them, as for this pool's own.
-            pool.lock().wait_for_pending_frees(&pool.0.space.backend);
+            pool.lock().wait_for_pending_frees(&pool.0.space);
             if let Err(err) = pool.trim_to(0) {
                 tracing::warn!(%err, "releasing unused memory failed");
             }
@@ -1138,16 +1143,19 @@ impl<B: Backend> Drop for Shared<B> {
     /// wait for those streams before the mappings go. Memory still
     /// allocated when the last handle to the pool goes stays mapped, as
     /// with CUDA's pools, so that no live pointer dangles; with no pool left
-    /// to free it to, it stays until the process ends.
+    /// to free it to, it stays until the process ends. So does all of it
+    /// when pending frees cannot be waited for (a graph capture under way).
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        inner.wait_for_pending_frees(&self.space.backend);
+        let waited = inner.wait_for_pending_frees(&self.space);
         let used = inner.live_bytes();
-        if used > 0 {
+        if used > 0 || (!waited && !inner.streams.is_empty()) {
             tracing::warn!(
                 pool = self.id,
                 used,
-                "pool dropped with live allocations: their memory stays mapped"
+                pending_streams = inner.streams.len(),
+                "pool dropped with live allocations, or during a graph capture with frees \
+                 pending: its memory stays mapped"
             );
             std::mem::forget(std::mem::take(&mut inner.units));
             std::mem::forget(std::mem::take(&mut inner.quarantine));
@@ -1445,8 +1453,8 @@ impl<B: Backend> Inner<B> {
         merged.clear();
         self.merging = merged;
         if any && self.streams[&stream.id].events.is_empty() {
-            // None while the stream captures a graph: its frees stay
-            // guarded (they are its own to reuse) until a later miss.
+            // None during a graph capture: the frees stay guarded (the
+            // stream's own to reuse) until a later miss records one.
             self.event_after_frees(space, stream.id)?;
         }
         Ok(())
@@ -1465,6 +1473,9 @@ impl<B: Backend> Inner<B> {
     /// (opportunistic reuse). An event that reports an error fails the call.
     #[cold]
     fn collect_completed(&mut self, space: &Space<B>) -> Result<()> {
+        if space.captures.under_way() {
+            return Ok(());
+        }
         let mut passed = Vec::new();
         for (&id, reg) in &self.streams {
             let mut upto = 0;
@@ -1539,19 +1550,14 @@ impl<B: Backend> Inner<B> {
 
     /// Makes `stream` wait (on the device) for every free stream `id` has
     /// made so far (an internal dependency); returns the position of `id`
-    /// it is now ordered after. `None`, with nothing done, when either
-    /// stream is capturing a graph: a capturing stream cannot wait for work
-    /// outside its capture, and an event recorded on one belongs to the
-    /// graph.
+    /// it is now ordered after. `None`, with nothing done, while a graph
+    /// capture is under way (see `capture.rs`).
     fn wait_for_frees_of(
         &mut self,
         space: &Space<B>,
         stream: &Arc<StreamShared<B>>,
         id: u64,
     ) -> Result<Option<u64>> {
-        if space.backend.stream_capturing(&stream.raw)? {
-            return Ok(None);
-        }
         let Some(event_seq) = self.event_after_frees(space, id)? else {
             return Ok(None);
         };
@@ -1568,9 +1574,8 @@ impl<B: Backend> Inner<B> {
 
     /// An event on stream `id` that captures all its frees so far; records
     /// one if the latest does not. Returns the position it captured; `None`
-    /// when one is needed but the stream is capturing a graph (an event
-    /// recorded then would belong to the graph, and the driver would
-    /// refuse to query it).
+    /// when one is needed while a graph capture is under way (see
+    /// `capture.rs`).
     fn event_after_frees(&mut self, space: &Space<B>, id: u64) -> Result<Option<u64>> {
         let reg = self.streams.get_mut(&id).expect("caller checked");
         let last_free = reg
@@ -1584,7 +1589,7 @@ impl<B: Backend> Inner<B> {
                 return Ok(Some(*seq));
             }
         }
-        if space.backend.stream_capturing(&reg.stream.raw)? {
+        if space.captures.under_way() {
             return Ok(None);
         }
         let event = match self.idle_events.pop() {
@@ -1680,23 +1685,25 @@ impl<B: Backend> Inner<B> {
 
     /// Blocks until every stream with pending frees has run past them, and
     /// releases them all (the last resort before out-of-memory, and drop).
-    fn wait_for_pending_frees(&mut self, backend: &Arc<B>) {
+    /// While a graph capture is under way nothing can be waited for: then
+    /// it does nothing and returns false.
+    fn wait_for_pending_frees(&mut self, space: &Space<B>) -> bool {
+        if space.captures.under_way() {
+            return false;
+        }
         let streams: Vec<(u64, Arc<StreamShared<B>>)> = self
             .streams
             .iter()
             .map(|(&id, reg)| (id, Arc::clone(&reg.stream)))
             .collect();
         for (id, stream) in streams {
-            // A capturing stream cannot be waited for; its frees stay.
-            if backend.stream_capturing(&stream.raw).unwrap_or(true) {
-                continue;
-            }
             let upto = stream.current_seq();
-            match backend.synchronize_stream(&stream.raw) {
+            match space.backend.synchronize_stream(&stream.raw) {
                 Ok(()) => self.release_pending(id, upto),
                 Err(err) => tracing::warn!(%err, "a stream with pending frees failed"),
             }
         }
+        true
     }
 
     /// The access a new mapping gets: the list without its "none" entries

@@ -429,12 +429,14 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
-/// A stream capturing a graph (as under PyTorch's `torch.cuda.graph`)
-/// allocates, frees, reuses its own frees and grows, and the capture
-/// holds: the pool records no event on it and makes it wait for nothing
-/// outside the capture (the driver refuses both, and a refused call spoils
-/// the capture). Memory another stream freed and has not passed is not
-/// taken during the capture, as that needs such a wait; afterwards it is.
+/// A stream capturing a graph (as under PyTorch's `torch.cuda.graph`, in
+/// the driver's global mode) allocates, frees, reuses its own frees and
+/// grows, and the capture holds: with the capture announced
+/// (`Context::graph_capture`), the pool queries, records and waits for no
+/// event (the driver refuses the first during a capture, from any stream,
+/// and the others on or for the capturing stream; a refused call spoils
+/// the capture). Memory another stream freed and has not passed is not taken
+/// during the capture, as that needs a wait; afterwards it is.
 pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_ON);
     let s = ctx.create_stream(DEV).unwrap();
@@ -442,7 +444,8 @@ pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: 
     let theirs = pool.allocate_async(WHOLE, &other).unwrap();
     b.delay(other.raw(), LATE).unwrap();
     pool.free_async(theirs, &other).unwrap();
-    let waits = pool.stats().waits_inserted;
+    let (waits, events) = (pool.stats().waits_inserted, pool.stats().events_recorded);
+    let capture = ctx.graph_capture();
     b.begin_capture(s.raw()).unwrap();
     let mut live = Vec::new();
     for _ in 0..4 {
@@ -455,8 +458,14 @@ pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: 
         }
     }
     assert_eq!(pool.stats().waits_inserted, waits, "a wait in the capture");
+    assert_eq!(
+        pool.stats().events_recorded,
+        events,
+        "an event in the capture"
+    );
     b.end_capture(s.raw())
         .expect("the pool spoiled the capture");
+    drop(capture);
     for a in live {
         pool.free_async(a, &s).unwrap();
     }

@@ -21,9 +21,11 @@
 //! anything else while the graph lives. PyTorch gives each capture a
 //! private pool id (`MempoolId_t`) and calls the begin / end / release
 //! hooks around it; here each id gets a pool of its own. While one is open
-//! (begin .. end), an allocation on a stream that is capturing goes to it;
-//! a free goes to the pool its allocation came from; the pool goes when it
-//! is released and its last allocation is freed.
+//! (begin .. end), an allocation on a stream that is capturing goes to it,
+//! and the capture is announced to every pool (`Context::graph_capture`:
+//! they make no call the driver refuses during a capture); a free goes to
+//! the pool its allocation came from; the pool goes when it is released
+//! and its last allocation is freed.
 #![deny(unsafe_code)]
 
 use std::str::FromStr;
@@ -33,7 +35,9 @@ use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 use vmpool::vmm::{Backend, DeviceId};
-use vmpool::{Allocation, Context, Pool, PoolAttribute, PoolProps, PoolStats, Stream};
+use vmpool::{
+    Allocation, Context, GraphCapture, Pool, PoolAttribute, PoolProps, PoolStats, Stream,
+};
 
 /// Bytes the environment asked for: a number with an optional binary
 /// suffix (`K`, `M`, `G`, `T`, with or without `iB`), or `max`.
@@ -197,8 +201,9 @@ pub type GraphPoolId = (u64, u64);
 /// A CUDA graph's private pool (see the module's notes).
 struct GraphPool<B: Backend> {
     pool: Pool<B>,
-    /// Between begin and end: allocations on capturing streams come here.
-    open: bool,
+    /// Between begin and end: allocations on capturing streams come here,
+    /// and the capture is announced to every pool.
+    open: Option<GraphCapture>,
     /// The graph is gone: the pool goes with its last allocation.
     released: bool,
     /// Allocations handed out from it and not yet freed.
@@ -442,9 +447,9 @@ impl<B: Backend> Shim<B> {
                 return Ok(None);
             }
             let mut graphs = lock(&dev.graphs);
-            let mut open = graphs.iter_mut().filter(|(_, g)| g.open);
+            let mut open = graphs.iter_mut().filter(|(_, g)| g.open.is_some());
             let (Some((&id, graph)), None) = (open.next(), open.next()) else {
-                let open = graphs.values().filter(|g| g.open).count();
+                let open = graphs.values().filter(|g| g.open.is_some()).count();
                 if open == 0 {
                     // Closed meanwhile: not a capture vmpool was told of.
                     return Ok(None);
@@ -478,19 +483,19 @@ impl<B: Backend> Shim<B> {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(GraphPool {
                 pool: self.new_pool(dev.id)?,
-                open: false,
+                open: None,
                 released: false,
                 live: 0,
             }),
         };
-        if graph.open {
+        if graph.open.is_some() {
             return Err(CallError::GraphPool {
                 device: dev.id.0,
                 id,
                 why: "opened twice",
             });
         }
-        graph.open = true;
+        graph.open = Some(self.context.graph_capture());
         graph.released = false;
         dev.open_graphs.fetch_add(1, Ordering::AcqRel);
         tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool open");
@@ -504,8 +509,8 @@ impl<B: Backend> Shim<B> {
         let dev = self.device(device)?;
         let mut graphs = lock(&dev.graphs);
         match graphs.get_mut(&id) {
-            Some(graph) if graph.open => {
-                graph.open = false;
+            Some(graph) if graph.open.is_some() => {
+                graph.open = None;
                 dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
                 Ok(())
             }
@@ -529,8 +534,7 @@ impl<B: Backend> Shim<B> {
                 why: "released but never opened",
             });
         };
-        if graph.open {
-            graph.open = false;
+        if graph.open.take().is_some() {
             dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
         }
         graph.released = true;

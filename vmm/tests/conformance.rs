@@ -458,6 +458,71 @@ pub fn capture_refuses_what_crosses_it<B: Backend>(b: &Arc<B>) {
     b.synchronize_stream(&s).unwrap();
 }
 
+/// Which calls a capture in global mode allows from outside its stream:
+/// each call once in a capture of its own, then whether the capture
+/// survived. Growing and moving memory must be allowed (a pool grows while
+/// a graph is captured); a synchronising call is refused and spoils it.
+pub fn capture_allows_growth_not_synchronisation<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let other = b.create_stream(DEV).unwrap();
+    let event = b.create_event(DEV).unwrap();
+    b.record_event(&event, &other).unwrap();
+    let r = Reservation::new(b, 4 * g, 0).unwrap();
+    let held = Chunk::new(b, DEV, g).unwrap();
+    let mut held_map = Some(Mapping::new(&r, 0, &held).unwrap());
+    let spare = Chunk::new(b, DEV, g).unwrap();
+    let mut loose = Some(Chunk::new(b, DEV, g).unwrap());
+    let mut new_map = None;
+    let rw = [AccessDesc::read_write(DEV)];
+    let mut outcomes: Vec<(&str, bool, bool)> = Vec::new();
+    let mut try_in_capture = |what: &'static str, f: &mut dyn FnMut() -> bool| {
+        b.begin_capture(&s).unwrap();
+        let call_ok = f();
+        let capture_ok = b.end_capture(&s).is_ok();
+        outcomes.push((what, call_ok, capture_ok));
+    };
+    try_in_capture("create a chunk", &mut || Chunk::new(b, DEV, g).is_ok());
+    try_in_capture("map", &mut || {
+        new_map = Mapping::new(&r, g, &spare).ok();
+        new_map.is_some()
+    });
+    try_in_capture("set access", &mut || {
+        new_map.as_ref().unwrap().set_access(&rw).is_ok()
+    });
+    try_in_capture("unmap", &mut || held_map.take().unwrap().unmap().is_ok());
+    try_in_capture("release a chunk", &mut || {
+        Chunk::release(loose.take().unwrap()).is_ok()
+    });
+    try_in_capture("record an event on another stream", &mut || {
+        b.record_event(&event, &other).is_ok()
+    });
+    try_in_capture("another stream waits for it", &mut || {
+        b.stream_wait_event(&other, &event).is_ok()
+    });
+    try_in_capture("query an event", &mut || b.query_event(&event).is_ok());
+    try_in_capture("synchronize another stream", &mut || {
+        b.synchronize_stream(&other).is_ok()
+    });
+    let expected = [
+        ("create a chunk", true, true),
+        ("map", true, true),
+        ("set access", true, true),
+        ("unmap", true, true),
+        ("release a chunk", true, true),
+        ("record an event on another stream", true, true),
+        ("another stream waits for it", true, true),
+        ("query an event", false, false),
+        ("synchronize another stream", false, false),
+    ];
+    assert_eq!(
+        outcomes, expected,
+        "(call, call succeeded, capture survived) for each call"
+    );
+    drop(new_map);
+    b.synchronize_stream(&other).unwrap();
+}
+
 macro_rules! cases {
     ($m:ident, $backend:ident) => {
         $m!(
@@ -483,7 +548,8 @@ macro_rules! cases {
                 wait_captures_record_at_call_time,
                 get_access_reports_the_driver_state,
                 only_shareable_chunks_export,
-                capture_refuses_what_crosses_it
+                capture_refuses_what_crosses_it,
+                capture_allows_growth_not_synchronisation
             ]
         );
     };

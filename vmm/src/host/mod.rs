@@ -35,7 +35,7 @@ mod sys;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 pub use stream::{HostEvent, HostStream};
@@ -114,6 +114,7 @@ impl Host {
                 ..Tables::default()
             }),
             events: AtomicUsize::new(0),
+            captures: Mutex::default(),
         });
         Ok(Arc::new(Self { config, memory }))
     }
@@ -290,9 +291,29 @@ pub(super) struct Memory {
     tables: RwLock<Tables>,
     /// Live events, for the census.
     pub(super) events: AtomicUsize,
+    /// The captures under way on this backend's streams.
+    pub(super) captures: Mutex<Vec<Arc<stream::Capture>>>,
 }
 
 impl Memory {
+    /// Refuses `call` while a capture is under way, as the driver refuses a
+    /// synchronising call during a capture in global mode, spoiling every
+    /// capture under way.
+    pub(super) fn not_in_capture(&self, call: &'static str) -> Result<()> {
+        let captures = stream::lock(&self.captures);
+        if captures.is_empty() {
+            return Ok(());
+        }
+        for capture in captures.iter() {
+            capture.spoil();
+        }
+        Err(Error::rejected(
+            call,
+            ErrorKind::Other,
+            "not permitted while a stream is capturing (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)",
+        ))
+    }
+
     fn tables(&self) -> RwLockReadGuard<'_, Tables> {
         self.tables.read().unwrap_or_else(|p| p.into_inner())
     }

@@ -109,10 +109,23 @@ pub struct HostStream {
     ops: mpsc::Sender<Op>,
     progress: Arc<Progress>,
     /// Acting as if a CUDA graph capture were under way (see
-    /// [`HostStream::set_capturing`]), and whether a refused call has
-    /// invalidated it.
-    capturing: AtomicBool,
+    /// [`HostStream::set_capturing`]).
+    capture: Arc<Capture>,
+    memory: Arc<Memory>,
+}
+
+/// A stream's capture state, listed in [`Memory::captures`] while on.
+#[derive(Default)]
+pub(crate) struct Capture {
+    on: AtomicBool,
+    /// A refused call spoiled it: ending it is an error.
     invalidated: AtomicBool,
+}
+
+impl Capture {
+    pub(crate) fn spoil(&self) {
+        self.invalidated.store(true, Ordering::Release);
+    }
 }
 
 impl HostStream {
@@ -122,14 +135,17 @@ impl HostStream {
         let shared = Arc::clone(&progress);
         thread::Builder::new()
             .name(format!("vmm-host-stream-{}", device.0))
-            .spawn(move || run(device, &memory, queue, &shared))
+            .spawn({
+                let memory = Arc::clone(&memory);
+                move || run(device, &memory, queue, &shared)
+            })
             .map_err(|e| Error::rejected("create_stream", ErrorKind::Other, e.to_string()))?;
         Ok(Self {
             device,
             ops,
             progress,
-            capturing: AtomicBool::new(false),
-            invalidated: AtomicBool::new(false),
+            capture: Arc::default(),
+            memory,
         })
     }
 
@@ -138,15 +154,17 @@ impl HostStream {
     }
 
     /// Makes the stream act as if a graph capture began (`true`) or ended
-    /// (`false`) on it. Nothing is captured; what the driver refuses during
-    /// a capture is refused: work or a synchronisation on the stream, a
-    /// wait on it for an event recorded outside the capture, and any query
-    /// of, synchronisation with or (from outside the capture) wait for an
-    /// event last recorded on it while capturing, until that event is
-    /// recorded again. A refused call on the stream invalidates the
-    /// capture: ending it is then an error.
+    /// (`false`) on it, in the driver's global mode. Nothing is captured;
+    /// what the driver refuses during a capture is refused: work on the
+    /// stream; from any stream, a synchronisation or an event query (the
+    /// calls global mode forbids, which spoil every capture under way); a
+    /// wait on the capturing stream for an event recorded outside the
+    /// capture; and any query of, synchronisation with or (from outside
+    /// the capture) wait for an event last recorded on it while capturing,
+    /// until that event is recorded again. Ending a spoiled capture is an
+    /// error.
     pub(super) fn set_capturing(&self, call: &'static str, on: bool) -> Result<()> {
-        if self.capturing.swap(on, Ordering::AcqRel) == on {
+        if self.capture.on.swap(on, Ordering::AcqRel) == on {
             return Err(Error::invalid(
                 call,
                 if on {
@@ -156,7 +174,13 @@ impl HostStream {
                 },
             ));
         }
-        if !on && self.invalidated.swap(false, Ordering::AcqRel) {
+        let mut captures = lock(&self.memory.captures);
+        if on {
+            captures.push(Arc::clone(&self.capture));
+            return Ok(());
+        }
+        captures.retain(|c| !Arc::ptr_eq(c, &self.capture));
+        if self.capture.invalidated.swap(false, Ordering::AcqRel) {
             return Err(Error::rejected(
                 call,
                 ErrorKind::Other,
@@ -167,12 +191,12 @@ impl HostStream {
     }
 
     pub(super) fn capturing(&self) -> bool {
-        self.capturing.load(Ordering::Acquire)
+        self.capture.on.load(Ordering::Acquire)
     }
 
-    /// A refusal of `call` that invalidates the capture.
+    /// A refusal of `call` that spoils this stream's capture.
     fn invalidate(&self, call: &'static str, why: &str) -> Error {
-        self.invalidated.store(true, Ordering::Release);
+        self.capture.spoil();
         Error::rejected(call, ErrorKind::Other, why)
     }
 
@@ -180,7 +204,7 @@ impl HostStream {
         if self.capturing() {
             return Err(self.invalidate(
                 call,
-                "the stream is capturing a graph (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)",
+                "the stream is capturing a graph; the host backend captures no work",
             ));
         }
         Ok(())
@@ -213,7 +237,7 @@ impl HostStream {
     }
 
     pub(super) fn copy(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        self.not_capturing("copy_to_host")?;
+        self.memory.not_in_capture("copy_to_host")?;
         let (reply, answer) = mpsc::channel();
         self.send(Op::Copy {
             src,
@@ -233,7 +257,7 @@ impl HostStream {
     }
 
     pub(super) fn synchronize(&self) -> Result<()> {
-        self.not_capturing("synchronize_stream")?;
+        self.memory.not_in_capture("synchronize_stream")?;
         let point = Point::new();
         self.signal(&point)?;
         point.wait()
@@ -338,12 +362,14 @@ impl HostEvent {
     }
 
     pub(super) fn query(&self) -> Result<EventStatus> {
+        self.memory.not_in_capture("query_event")?;
         self.not_captured("query_event")?;
         self.latest()
             .map_or(Ok(EventStatus::Complete), |p| p.status())
     }
 
     pub(super) fn synchronize(&self) -> Result<()> {
+        self.memory.not_in_capture("synchronize_event")?;
         self.not_captured("synchronize_event")?;
         self.latest().map_or(Ok(()), |p| p.wait())
     }
