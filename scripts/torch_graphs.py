@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Checks, on the GPU, whether CUDA graphs (`torch.cuda.graph`) work under
-an allocator: the capture succeeds, a replay computes the right result,
-and memory the capture used is not handed to eager tensors while the
-graph can still replay into it.
+"""Checks, on the GPU, whether CUDA graphs work under an allocator: the
+capture succeeds, a replay computes the right result, and memory the
+capture used is not handed to eager tensors while the graph can still
+replay into it.
 
-The capture allocates intermediates (one of them larger than anything
-before, so that the allocator must find new memory during the capture)
-and frees them when it ends. Then eager tensors are filled with a
-sentinel, the graph is replayed on new input, and both the graph's output
-and the sentinels are checked. Under vmpool, the graph's private pool must
-be gone once the graph and its output are. Each case runs in a process of
-its own:
+First a graph captured by hand (`torch.cuda.graph`). The capture
+allocates intermediates (one of them larger than anything before, so that
+the allocator must find new memory during the capture) and frees them
+when it ends. Then eager tensors are filled with a sentinel, the graph is
+replayed on new input, and both the graph's output and the sentinels are
+checked. Under vmpool, the graph's private pool must be gone once the
+graph and its output are. Then the same checks (right results, eager
+tensors kept) for a model run through
+`torch.compile(mode="reduce-overhead")`, whose CUDA graph trees capture
+into pools that a tree's graphs share. Each case runs in a process of its
+own:
 
     native   PyTorch's caching allocator (graphs get a private pool)
     vmpool   vmpool_torch.install()
@@ -83,35 +87,73 @@ def child(case):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def compiled_child(case):
+    """`torch.compile(mode="reduce-overhead")`: CUDA graph trees, which
+    capture into pools shared by the graphs of a tree."""
+    import torch
+    import vmpool_torch
+
+    if case == "vmpool":
+        vmpool_torch.install()
+    dev = torch.device("cuda")
+    result = {"case": case}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(dev)
+    xs = [torch.randn(b, 1024, device=dev) for b in (64, 64, 128, 64, 128, 64)]
+    try:
+        fast = torch.compile(model, mode="reduce-overhead")
+        with torch.no_grad():
+            outs = [fast(x).clone() for x in xs]
+            eager = [torch.full((N,), 7.0, device=dev) for _ in range(8)]
+            outs += [fast(x).clone() for x in xs]
+            refs = [model(x) for x in xs] * 2
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        result.update(captured=False, error="".join(traceback.format_exception_only(exc)).strip()[-600:])
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    result["captured"] = True
+    result["replay_right"] = all(bool(torch.allclose(o, r, rtol=1e-3, atol=1e-3)) for o, r in zip(outs, refs))
+    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def check(flag, case):
+    """Runs one case in a child process and prints its line; whether it passed."""
+    proc = subprocess.run([sys.executable, __file__, flag, case], capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"  {case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+        return False
+    r = json.loads(lines[-1][len("RESULT "):])
+    if not r["captured"]:
+        print(f"  {case:8} FAILED: {r['error']}")
+        return False
+    ok = r["replay_right"] and r["sentinels_kept"]
+    line = (f"  {case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
+            f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}")
+    if "graph_pools_after" in r:
+        line += (f"; graph pools {r['graph_pools_during']} while the graph lives, "
+                 f"{r['graph_pools_after']} after")
+        ok &= r["graph_pools_during"] == 1 and r["graph_pools_after"] == 0
+    print(line)
+    for log in [l for l in proc.stderr.splitlines() if "vmpool" in l][-5:]:
+        print(f"           log: {log}")
+    return ok
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(sys.argv[2])
         return
+    if len(sys.argv) == 3 and sys.argv[1] == "--compiled-child":
+        compiled_child(sys.argv[2])
+        return
     failed = False
-    for case in CASES:
-        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
-            failed = True
-            continue
-        r = json.loads(lines[-1][len("RESULT "):])
-        if not r["captured"]:
-            print(f"{case:8} capture FAILED: {r['error']}")
-            failed = True
-            continue
-        ok = r["replay_right"] and r["sentinels_kept"]
-        line = (f"{case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
-                f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}")
-        if "graph_pools_after" in r:
-            line += (f"; graph pools {r['graph_pools_during']} while the graph lives, "
-                     f"{r['graph_pools_after']} after")
-            ok &= r["graph_pools_during"] == 1 and r["graph_pools_after"] == 0
-        print(line)
-        failed |= not ok
-        tail = [l for l in proc.stderr.splitlines() if "vmpool" in l][-5:]
-        for line in tail:
-            print(f"         log: {line}")
+    for scenario, flag in (("torch.cuda.graph", "--child"), ("torch.compile, reduce-overhead", "--compiled-child")):
+        print(scenario)
+        for case in CASES:
+            failed |= not check(flag, case)
     sys.exit(1 if failed else 0)
 
 
