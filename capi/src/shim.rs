@@ -36,7 +36,7 @@ use std::time::Instant;
 use rustc_hash::FxHashMap;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{
-    Allocation, Context, GraphCapture, Pool, PoolAttribute, PoolProps, PoolStats, Stream,
+    Allocation, Context, Event, GraphCapture, Pool, PoolAttribute, PoolProps, PoolStats, Stream,
 };
 
 /// Bytes the environment asked for: a number with an optional binary
@@ -228,6 +228,10 @@ struct Device<B: Backend> {
     /// capturing.
     graphs: Mutex<FxHashMap<GraphPoolId, GraphPool<B>>>,
     open_graphs: AtomicUsize,
+    /// Events for a free to wait for the streams recorded as users, kept:
+    /// a wait takes what the event captured when it is made, so an event
+    /// serves again at once, without a driver call to create it.
+    idle_events: Mutex<Vec<Event<B>>>,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
     refused_frees: AtomicU64,
     /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their time.
@@ -283,6 +287,7 @@ impl<B: Backend> Shim<B> {
                 live: Mutex::default(),
                 graphs: Mutex::default(),
                 open_graphs: AtomicUsize::new(0),
+                idle_events: Mutex::default(),
                 refused_frees: AtomicU64::new(0),
                 timed_calls: AtomicU64::new(0),
                 call_nanos: AtomicU64::new(0),
@@ -619,7 +624,7 @@ impl<B: Backend> Shim<B> {
         };
         let mut allocation = Some(allocation);
         let freed = self.with_stream(dev, stream, |s| {
-            self.wait_for_users(s, &used_on)?;
+            self.wait_for_users(dev, s, &used_on)?;
             pool.free_async(allocation.take().expect("called once"), s)
         });
         let err = match freed {
@@ -660,12 +665,26 @@ impl<B: Backend> Shim<B> {
     }
 
     /// Makes `stream` wait for the work queued so far on each of `users`
-    /// (other than itself): an event recorded on each, waited for.
-    fn wait_for_users(&self, stream: &Stream<B>, users: &[Stream<B>]) -> vmpool::Result<()> {
+    /// (other than itself; all of `dev`): an event recorded on each,
+    /// waited for.
+    fn wait_for_users(
+        &self,
+        dev: &Device<B>,
+        stream: &Stream<B>,
+        users: &[Stream<B>],
+    ) -> vmpool::Result<()> {
         for user in users.iter().filter(|&u| u != stream) {
-            let event = self.context.create_event(user.device())?;
-            self.context.record_event(&event, user)?;
-            self.context.stream_wait_event(stream, &event)?;
+            let idle = lock(&dev.idle_events).pop();
+            let event = match idle {
+                Some(event) => event,
+                None => self.context.create_event(dev.id)?,
+            };
+            let waited = self
+                .context
+                .record_event(&event, user)
+                .and_then(|()| self.context.stream_wait_event(stream, &event));
+            lock(&dev.idle_events).push(event);
+            waited?;
         }
         Ok(())
     }
@@ -861,7 +880,10 @@ mod tests {
         shim.record_stream(ptr, 3).unwrap();
         shim.record_stream(ptr, 3).unwrap();
         shim.record_stream(ptr, 1).unwrap();
+        let events = host.census().events;
         shim.free(ptr, 4096, 0, 1).unwrap();
+        // One event made for the wait, and kept.
+        assert_eq!(host.census().events, events + 1);
         // Stream 1's next allocation gets the same memory at once (its own
         // free), so its work from here must wait for stream 3's.
         assert_eq!(shim.alloc(4096, 0, 1).unwrap(), ptr);
@@ -871,6 +893,15 @@ mod tests {
             started.elapsed() >= Duration::from_millis(200),
             "stream 1 ran ahead of the work stream 3 queued on the memory"
         );
+        // Again: the kept event serves, none is made.
+        host.delay(other.raw(), Duration::from_millis(300)).unwrap();
+        shim.record_stream(ptr, 3).unwrap();
+        shim.free(ptr, 4096, 0, 1).unwrap();
+        assert_eq!(shim.alloc(4096, 0, 1).unwrap(), ptr);
+        let started = Instant::now();
+        host.synchronize_stream(own.raw()).unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert_eq!(host.census().events, events + 1);
     }
 
     #[test]
