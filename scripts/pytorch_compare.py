@@ -240,6 +240,20 @@ def child(args):
         free, _ = torch.cuda.mem_get_info()
         device_peak = max(device_peak, total - free - baseline)
 
+    # What torch.cuda.empty_cache() gives back (vmpool_torch.install hooks
+    # it), with the workload's tensors gone.
+    del step
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    after_empty_cache = {
+        "reserved_after_empty_cache": vmpool.stats()["reserved_bytes"] if vmpool is not None
+        else torch.cuda.memory_reserved(),
+        "device_after_empty_cache": total - free - baseline,
+    }
     if vmpool is not None:
         s = vmpool.stats()
         reserved, allocated = s["reserved_high"], s["used_high"]
@@ -272,6 +286,7 @@ def child(args):
         "ms_median": 1000 * statistics.median(timed),
         "step_ms": [1000 * t for t in times],
         "losses": losses,
+        **after_empty_cache,
         **extra,
     }
     print("RESULT " + json.dumps(result), flush=True)
@@ -473,6 +488,9 @@ def main():
                       f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
                       f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
                       f"({r['wall_s']:.0f} s)", flush=True)
+                print(f"{'':15} {'':16} after torch.cuda.empty_cache(): reserved "
+                      f"{r['reserved_after_empty_cache'] / MIB:.1f} MiB, device "
+                      f"{r['device_after_empty_cache'] / MIB:.1f} MiB", flush=True)
                 if "steps_with_driver_work" in r:
                     print(f"{'':15} {'':16} timed steps that mapped chunks: {r['steps_with_driver_work']} "
                           f"({sum(r['step_maps'][WARMUP:])} chunks), "

@@ -97,6 +97,8 @@ def library():
         lib.vmpool_backend.argtypes = []
         lib.vmpool_flush_traces.restype = ctypes.c_int
         lib.vmpool_flush_traces.argtypes = []
+        lib.vmpool_empty_cache.restype = None
+        lib.vmpool_empty_cache.argtypes = []
         # The pools are never dropped: recorded traces (VMPOOL_RECORD) are
         # written out at exit.
         atexit.register(lib.vmpool_flush_traces)
@@ -111,7 +113,9 @@ def install():
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
     graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
     calls for a pluggable allocator, and memory would be reused under
-    another stream's reads, or under a graph's replays."""
+    another stream's reads, or under a graph's replays. And
+    `torch.cuda.empty_cache()`, which then returns vmpool's unused memory
+    on every device."""
     import torch
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
@@ -121,6 +125,7 @@ def install():
         ("set_begin_allocate_to_pool", lib.vmpool_begin_allocate_to_pool, "CUDA graphs' pools"),
         ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
         ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
+        ("set_reset_fn", lib.vmpool_empty_cache, "torch.cuda.empty_cache"),
     ]
     missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
     if missing:

@@ -86,6 +86,11 @@ int vmpool_synchronize(int device);
  * vmpool_synchronize. 0 on success, -1 on failure. */
 int vmpool_trim(int device, uint64_t keep);
 
+/* Waits for the streams vmpool has seen on every device and releases each
+ * device's unused memory (PyTorch's torch.cuda.empty_cache; vmpool_torch.install
+ * hooks it). CUDA graphs' pools keep theirs. Failures are logged. */
+void vmpool_empty_cache(void);
+
 /* Sets the high-water marks to the current values. 0 / -1. */
 int vmpool_reset_peaks(int device);
 

@@ -238,6 +238,15 @@ pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
     )
 }
 
+/// Returns every device's unused memory: waits for the streams vmpool has
+/// seen, then trims each device's pool to nothing unused (PyTorch's
+/// `torch.cuda.empty_cache`, which `vmpool_torch.install` hooks). Graph
+/// pools keep theirs for their graphs. Failures are logged.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_empty_cache() {
+    call("empty_cache", (), |g| with_shim!(g, s => s.empty_cache()));
+}
+
 /// Resets the reserved and used high-water marks to their current values.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_reset_peaks(device: c_int) -> c_int {

@@ -728,6 +728,24 @@ impl<B: Backend> Shim<B> {
         }
     }
 
+    /// Returns every device's unused memory (PyTorch's `empty_cache`): waits
+    /// for the streams vmpool has seen, then trims each device's pool to
+    /// nothing unused. Graph pools keep their memory for their graphs'
+    /// replays; while one is open (a capture under way, which a wait would
+    /// spoil) the device's pool is trimmed without waiting.
+    pub fn empty_cache(&self) -> Result<(), CallError> {
+        for dev in &self.devices {
+            let Some(pool) = dev.pool.get() else {
+                continue;
+            };
+            if dev.open_graphs.load(Ordering::Acquire) == 0 {
+                self.context.synchronize_device(dev.id)?;
+            }
+            pool.trim_to(0)?;
+        }
+        Ok(())
+    }
+
     /// Resets the high-water marks to the current figures.
     pub fn reset_peaks(&self, device: i64) -> Result<(), CallError> {
         let dev = self.device(device)?;

@@ -9,9 +9,10 @@ use std::sync::Once;
 use std::thread;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_begin_allocate_to_pool, vmpool_end_allocate_to_pool,
-    vmpool_free, vmpool_record_stream, vmpool_release_pool, vmpool_reset_peaks, vmpool_stats,
-    vmpool_synchronize, vmpool_trim, VmpoolMempoolId, VmpoolStats,
+    vmpool_alloc, vmpool_backend, vmpool_begin_allocate_to_pool, vmpool_empty_cache,
+    vmpool_end_allocate_to_pool, vmpool_free, vmpool_record_stream, vmpool_release_pool,
+    vmpool_reset_peaks, vmpool_stats, vmpool_synchronize, vmpool_trim, VmpoolMempoolId,
+    VmpoolStats,
 };
 
 /// Selects the host backend before the library's first call reads the
@@ -140,7 +141,7 @@ fn misuse_is_refused_and_changes_nothing() {
 /// The graph-pool hooks as PyTorch calls them (the host backend has no
 /// captures: an allocation in the window is served by the device's pool;
 /// `capi/src/shim.rs` tests the routing of a capture). Out of order calls
-/// are logged and change nothing.
+/// are logged and change nothing. Then the empty-cache hook.
 #[test]
 fn graph_pool_hooks() {
     setup();
@@ -164,6 +165,9 @@ fn graph_pool_hooks() {
     assert_eq!(stats(d).graph_pools, 0);
     vmpool_free(p, 1 << 20, d, stream(1));
     vmpool_begin_allocate_to_pool(99, id, std::ptr::null());
+    // torch.cuda.empty_cache: every device's unused memory goes.
+    vmpool_empty_cache();
+    assert_eq!(stats(d).reserved_bytes, 0);
 }
 
 #[test]

@@ -25,6 +25,8 @@ assert s["used_bytes"] == 3 << 20 and s["reserved_bytes"] >= 3 << 20, s
 lib.vmpool_free(p + 256, 3 << 20, 0, None)   # an interior pointer: refused
 assert v.stats(0)["refused_frees"] == 1
 lib.vmpool_free(p, 3 << 20, 0, None)
+lib.vmpool_empty_cache()
+assert v.stats(0)["reserved_bytes"] == 0, v.stats(0)
 v.empty_cache(0)
 s = v.stats(0)
 assert (s["used_bytes"], s["reserved_bytes"], s["pending_bytes"]) == (0, 0, 0), s
