@@ -20,7 +20,7 @@ use std::fs::File;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Parser, ValueEnum};
@@ -109,6 +109,95 @@ fn progress(ops: usize) -> ProgressBar {
     }
 }
 
+/// An allocator as the replay drives it.
+trait Replayed {
+    type Allocation;
+    /// Whether [`Replayed::sample`] runs after every allocation.
+    const SAMPLES: bool = false;
+    fn alloc(&mut self, size: u64) -> Result<Self::Allocation>;
+    fn free(&mut self, a: Self::Allocation) -> Result<()>;
+    /// Reads what the allocator holds, outside the timed calls.
+    fn sample(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Checks at the end of each pass, before what is left live is freed.
+    fn check(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Peak reserved bytes so far.
+    fn reserved_high(&mut self) -> Result<u64>;
+}
+
+/// Replays `trace` `passes` times on `a`, freeing what is left live after
+/// each pass: the nanoseconds spent in its calls (sampling left out) and
+/// its peak reserved bytes after each pass.
+fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<(u128, Vec<u64>)> {
+    let bar = progress(trace.ops.len() * passes);
+    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
+    for pass in 0..passes {
+        let mut live: Vec<Option<A::Allocation>> = Vec::with_capacity(trace.slots);
+        live.resize_with(trace.slots, || None);
+        let mut sampling = Duration::ZERO;
+        let start = Instant::now();
+        for (i, op) in trace.ops.iter().enumerate() {
+            match *op {
+                TraceOp::Alloc { slot, size, .. } => {
+                    live[slot] = Some(a.alloc(size)?);
+                    if A::SAMPLES {
+                        let sampled = Instant::now();
+                        a.sample()?;
+                        sampling += sampled.elapsed();
+                    }
+                }
+                TraceOp::Free { slot, .. } => {
+                    a.free(live[slot].take().expect("trace frees a live id"))?
+                }
+            }
+            if i % 4096 == 0 {
+                bar.set_position((pass * trace.ops.len() + i) as u64);
+            }
+        }
+        nanos += (start.elapsed() - sampling).as_nanos();
+        a.check()?;
+        for x in live.into_iter().flatten() {
+            a.free(x)?;
+        }
+        pass_peaks.push(a.reserved_high()?);
+    }
+    bar.finish_and_clear();
+    Ok((nanos, pass_peaks))
+}
+
+/// A vmpool pool, synchronous or stream-ordered on one stream.
+struct VmpoolReplay<B: Backend> {
+    pool: vmpool::Pool<B>,
+    /// `Some`: stream-ordered on this stream.
+    stream: Option<vmpool::Stream<B>>,
+}
+
+impl<B: Backend> Replayed for VmpoolReplay<B> {
+    type Allocation = vmpool::Allocation;
+    fn alloc(&mut self, size: u64) -> Result<vmpool::Allocation> {
+        Ok(match &self.stream {
+            Some(s) => self.pool.allocate_async(size, s)?,
+            None => self.pool.allocate(size)?,
+        })
+    }
+    fn free(&mut self, a: vmpool::Allocation) -> Result<()> {
+        match &self.stream {
+            Some(s) => self.pool.free_async(a, s)?,
+            None => self.pool.free(a)?,
+        }
+        Ok(())
+    }
+    fn check(&mut self) -> Result<()> {
+        self.pool.audit().map_err(anyhow::Error::msg)
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.pool.attribute(PoolAttribute::ReservedMemHigh))
+    }
+}
+
 /// Replays on a vmpool pool of the given backend.
 fn replay_vmpool<B: Backend>(
     backend: Arc<B>,
@@ -126,39 +215,12 @@ fn replay_vmpool<B: Backend>(
     })?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
     let stream = ctx.create_stream(DeviceId(0))?;
-    let allocate = |size| match stream_ordered {
-        true => pool.allocate_async(size, &stream),
-        false => pool.allocate(size),
+    let mut replayed = VmpoolReplay {
+        pool,
+        stream: stream_ordered.then(|| stream.clone()),
     };
-    let free = |a| match stream_ordered {
-        true => pool.free_async(a, &stream),
-        false => pool.free(a),
-    };
-    let bar = progress(trace.ops.len() * passes);
-    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
-    for pass in 0..passes {
-        let mut live: Vec<Option<vmpool::Allocation>> = Vec::with_capacity(trace.slots);
-        live.resize_with(trace.slots, || None);
-        let start = Instant::now();
-        for (i, op) in trace.ops.iter().enumerate() {
-            match *op {
-                TraceOp::Alloc { slot, size, .. } => live[slot] = Some(allocate(size)?),
-                TraceOp::Free { slot, .. } => {
-                    free(live[slot].take().expect("trace frees a live id"))?
-                }
-            }
-            if i % 4096 == 0 {
-                bar.set_position((pass * trace.ops.len() + i) as u64);
-            }
-        }
-        nanos += start.elapsed().as_nanos();
-        pool.audit().map_err(anyhow::Error::msg)?;
-        for a in live.into_iter().flatten() {
-            free(a)?;
-        }
-        pass_peaks.push(pool.attribute(PoolAttribute::ReservedMemHigh));
-    }
-    bar.finish_and_clear();
+    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
+    let pool = replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
     Ok(Report {
@@ -177,40 +239,35 @@ fn replay_vmpool<B: Backend>(
     })
 }
 
+/// CUDA's stream-ordered pool on one stream.
+struct CudaAsyncReplay {
+    pool: vmm::cuda::peers::CudaAsyncPool,
+    stream: vmm::cuda::CudaStream,
+}
+
+impl Replayed for CudaAsyncReplay {
+    type Allocation = vmm::cuda::peers::PeerAllocation;
+    fn alloc(&mut self, size: u64) -> Result<Self::Allocation> {
+        Ok(self.pool.alloc(size as usize, &self.stream)?)
+    }
+    fn free(&mut self, a: Self::Allocation) -> Result<()> {
+        Ok(self.pool.free(a, &self.stream)?)
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.pool.reserved_high()?)
+    }
+}
+
 /// Replays on CUDA's stream-ordered pool, release threshold max, one stream.
 fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
-    let pool = vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?;
-    let stream = cuda.create_stream(DeviceId(0))?;
-    let bar = progress(trace.ops.len() * passes);
-    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
-    for pass in 0..passes {
-        let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> =
-            Vec::with_capacity(trace.slots);
-        live.resize_with(trace.slots, || None);
-        let start = Instant::now();
-        for (i, op) in trace.ops.iter().enumerate() {
-            match *op {
-                TraceOp::Alloc { slot, size, .. } => {
-                    live[slot] = Some(pool.alloc(size as usize, &stream)?)
-                }
-                TraceOp::Free { slot, .. } => {
-                    pool.free(live[slot].take().expect("trace frees a live id"), &stream)?
-                }
-            }
-            if i % 4096 == 0 {
-                bar.set_position((pass * trace.ops.len() + i) as u64);
-            }
-        }
-        nanos += start.elapsed().as_nanos();
-        for a in live.into_iter().flatten() {
-            pool.free(a, &stream)?;
-        }
-        pass_peaks.push(pool.reserved_high()?);
-    }
-    bar.finish_and_clear();
-    cuda.synchronize_stream(&stream)?;
+    let mut replayed = CudaAsyncReplay {
+        pool: vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?,
+        stream: cuda.create_stream(DeviceId(0))?,
+    };
+    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
+    cuda.synchronize_stream(&replayed.stream)?;
     Ok(Report {
-        peak_reserved: pool.reserved_high()?,
+        peak_reserved: replayed.pool.reserved_high()?,
         pass_peaks,
         ops: (trace.ops.len() * passes) as u64,
         nanos,
@@ -218,47 +275,53 @@ fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) 
     })
 }
 
-/// Replays on plain cuMemAlloc / cuMemFree; each call timed on its own so
-/// that the memory sampling between them stays out of the figure.
-fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
-    let malloc = vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?;
-    let used = || -> Result<u64> {
-        let m = cuda.mem_info(DeviceId(0))?;
+/// Plain cuMemAlloc / cuMemFree; its footprint is the device's used
+/// memory, sampled after each allocation, over what it was before.
+struct CudaMallocReplay {
+    malloc: vmm::cuda::peers::CudaMalloc,
+    cuda: Arc<vmm::cuda::Cuda>,
+    baseline: u64,
+    peak: u64,
+}
+
+impl CudaMallocReplay {
+    fn used(&self) -> Result<u64> {
+        let m = self.cuda.mem_info(DeviceId(0))?;
         Ok((m.total - m.free) as u64)
-    };
-    let baseline = used()?;
-    let mut peak = baseline;
-    let bar = progress(trace.ops.len() * passes);
-    let (mut nanos, mut pass_peaks) = (0u128, Vec::with_capacity(passes));
-    for pass in 0..passes {
-        let mut live: Vec<Option<vmm::cuda::peers::PeerAllocation>> =
-            Vec::with_capacity(trace.slots);
-        live.resize_with(trace.slots, || None);
-        for (i, op) in trace.ops.iter().enumerate() {
-            let start = Instant::now();
-            match *op {
-                TraceOp::Alloc { slot, size, .. } => {
-                    live[slot] = Some(malloc.alloc(size as usize)?);
-                    nanos += start.elapsed().as_nanos();
-                    peak = peak.max(used()?);
-                }
-                TraceOp::Free { slot, .. } => {
-                    malloc.free(live[slot].take().expect("trace frees a live id"))?;
-                    nanos += start.elapsed().as_nanos();
-                }
-            }
-            if i % 4096 == 0 {
-                bar.set_position((pass * trace.ops.len() + i) as u64);
-            }
-        }
-        for a in live.into_iter().flatten() {
-            malloc.free(a)?;
-        }
-        pass_peaks.push(peak - baseline);
     }
-    bar.finish_and_clear();
+}
+
+impl Replayed for CudaMallocReplay {
+    type Allocation = vmm::cuda::peers::PeerAllocation;
+    const SAMPLES: bool = true;
+    fn alloc(&mut self, size: u64) -> Result<Self::Allocation> {
+        Ok(self.malloc.alloc(size as usize)?)
+    }
+    fn free(&mut self, a: Self::Allocation) -> Result<()> {
+        Ok(self.malloc.free(a)?)
+    }
+    fn sample(&mut self) -> Result<()> {
+        self.peak = self.peak.max(self.used()?);
+        Ok(())
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.peak - self.baseline)
+    }
+}
+
+/// Replays on plain cuMemAlloc / cuMemFree.
+fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
+    let mut replayed = CudaMallocReplay {
+        malloc: vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?,
+        cuda: Arc::clone(cuda),
+        baseline: 0,
+        peak: 0,
+    };
+    replayed.baseline = replayed.used()?;
+    replayed.peak = replayed.baseline;
+    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
     Ok(Report {
-        peak_reserved: peak - baseline,
+        peak_reserved: replayed.reserved_high()?,
         pass_peaks,
         ops: (trace.ops.len() * passes) as u64,
         nanos,
