@@ -63,8 +63,9 @@ void vmpool_record_stream(void *ptr, void *stream);
  * (vmpool_torch.install sets them); each id gets a vmpool pool of its own.
  * While one is open (begin .. end), an allocation on a stream that is
  * capturing (cuStreamIsCapturing) comes from it; a free goes back to the
- * pool it came from; a released pool goes, with its memory, when its last
- * allocation is freed. One capture at a time per device: an allocation on
+ * pool it came from; a pool goes, with its memory, once every graph that
+ * captured into it is released (graphs may share one: one release per
+ * begin) and its last allocation is freed. One capture at a time per device: an allocation on
  * a capturing stream while two pools are open fails (NULL, logged).
  * `filter` is PyTorch's stream filter (a C++ object passed by reference);
  * vmpool does not use it. vmpool_trim and the figures of vmpool_stats other

@@ -203,8 +203,9 @@ pub extern "C" fn vmpool_end_allocate_to_pool(device: c_int, pool: VmpoolMempool
     );
 }
 
-/// The graph of `pool` is gone (PyTorch's `releasePool`): the pool and its
-/// memory go once its last allocation is freed.
+/// A graph that captured into `pool` is gone (PyTorch's `releasePool`):
+/// once every such graph is, the pool and its memory go when its last
+/// allocation is freed.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
     call(

@@ -24,8 +24,8 @@
 //! (begin .. end), an allocation on a stream that is capturing goes to it,
 //! and the capture is announced to every pool (`Context::graph_capture`:
 //! they make no call the driver refuses during a capture); a free goes to
-//! the pool its allocation came from; the pool goes when it is released
-//! and its last allocation is freed.
+//! the pool its allocation came from; the pool goes when every graph that
+//! captured into it is released and its last allocation is freed.
 #![deny(unsafe_code)]
 
 use std::str::FromStr;
@@ -204,8 +204,10 @@ struct GraphPool<B: Backend> {
     /// Between begin and end: allocations on capturing streams come here,
     /// and the capture is announced to every pool.
     open: Option<GraphCapture>,
-    /// The graph is gone: the pool goes with its last allocation.
-    released: bool,
+    /// Captures into it whose graphs live: one per begin, less one per
+    /// release (graphs may share a pool). At none, the pool goes with its
+    /// last allocation.
+    uses: usize,
     /// Allocations handed out from it and not yet freed.
     live: usize,
 }
@@ -489,7 +491,7 @@ impl<B: Backend> Shim<B> {
             std::collections::hash_map::Entry::Vacant(e) => e.insert(GraphPool {
                 pool: self.new_pool(dev.id)?,
                 open: None,
-                released: false,
+                uses: 0,
                 live: 0,
             }),
         };
@@ -501,7 +503,7 @@ impl<B: Backend> Shim<B> {
             });
         }
         graph.open = Some(self.context.graph_capture());
-        graph.released = false;
+        graph.uses += 1;
         dev.open_graphs.fetch_add(1, Ordering::AcqRel);
         tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool open");
         Ok(())
@@ -527,24 +529,27 @@ impl<B: Backend> Shim<B> {
         }
     }
 
-    /// The graph of pool `id` is gone (PyTorch's `releasePool`): the pool
-    /// goes, with its memory, once its last allocation is freed.
+    /// A graph that captured into pool `id` is gone (PyTorch's
+    /// `releasePool`): once every graph that did is, the pool goes, with
+    /// its memory, when its last allocation is freed. Until then its free
+    /// memory stays: a graph replays into what its capture freed.
     pub fn release_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
         let dev = self.device(device)?;
         let mut graphs = lock(&dev.graphs);
-        let Some(graph) = graphs.get_mut(&id) else {
+        let Some(graph) = graphs.get_mut(&id).filter(|g| g.uses > 0) else {
             return Err(CallError::GraphPool {
                 device: dev.id.0,
                 id,
-                why: "released but never opened",
+                why: "released more often than opened",
             });
         };
         if graph.open.take().is_some() {
             dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
         }
-        graph.released = true;
-        if graph.live == 0 {
+        graph.uses -= 1;
+        if graph.uses == 0 && graph.live == 0 {
             graphs.remove(&id);
+            tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
         }
         Ok(())
     }
@@ -650,15 +655,15 @@ impl<B: Backend> Shim<B> {
         Err(err.into())
     }
 
-    /// Counts a free of graph pool `id`'s; the last of a released pool's
-    /// drops it.
+    /// Counts a free of graph pool `id`'s; the last of a pool no graph
+    /// uses drops it.
     fn graph_allocation_freed(&self, dev: &Device<B>, id: GraphPoolId) {
         let mut graphs = lock(&dev.graphs);
         let graph = graphs
             .get_mut(&id)
             .expect("a graph pool stays while it has allocations");
         graph.live -= 1;
-        if graph.released && graph.live == 0 {
+        if graph.uses == 0 && graph.live == 0 {
             graphs.remove(&id);
             tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
         }
@@ -990,6 +995,38 @@ mod tests {
         shim.free(outside, -1, 0, 3).unwrap();
         assert!(shim.end_graph_pool(0, id).is_err(), "no longer open");
         assert!(shim.release_graph_pool(0, id).is_err(), "gone");
+    }
+
+    /// Graphs may share a pool (`torch.cuda.graph(pool=...)`): it stays
+    /// while any of them lives, even with nothing allocated, since their
+    /// replays use what the captures freed.
+    #[test]
+    fn a_shared_graph_pool_stays_until_every_graph_is_released() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(Arc::clone(&host), config(&[]).unwrap(), odd_handles_only).unwrap();
+        let id = (0, 9);
+        let s = host_stream(&shim, 1);
+        for _ in 0..2 {
+            shim.begin_graph_pool(0, id).unwrap();
+            host.begin_capture(s.raw()).unwrap();
+            let p = shim.alloc(8 << 20, 0, 1).unwrap();
+            shim.free(p, -1, 0, 1).unwrap();
+            host.end_capture(s.raw()).unwrap();
+            shim.end_graph_pool(0, id).unwrap();
+        }
+        shim.release_graph_pool(0, id).unwrap();
+        let figures = shim.figures(0).unwrap();
+        assert_eq!(
+            figures.graph_pools, 1,
+            "the other graph still replays into it"
+        );
+        assert!(figures.graph_reserved_bytes >= 8 << 20);
+        shim.release_graph_pool(0, id).unwrap();
+        assert_eq!(shim.figures(0).unwrap().graph_pools, 0);
+        assert!(
+            shim.release_graph_pool(0, id).is_err(),
+            "released more often than opened"
+        );
     }
 
     #[test]
