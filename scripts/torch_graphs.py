@@ -9,9 +9,10 @@ allocates intermediates (one of them larger than anything before, so that
 the allocator must find new memory during the capture) and frees them
 when it ends. Then eager tensors are filled with a sentinel, the graph is
 replayed on new input, and both the graph's output and the sentinels are
-checked. Under vmpool, the graph's private pool must be gone once the
-graph and its output are. Then the same checks (right results, eager
-tensors kept) for a model run through
+checked; a second graph captured into the first one's pool must replay
+right too, also after the first is gone. Under vmpool, the pool must stay
+while either graph lives and be gone once both are. Then the same checks
+(right results, eager tensors kept) for a model run through
 `torch.compile(mode="reduce-overhead")`, whose CUDA graph trees capture
 into pools that a tree's graphs share. (PyTorch 2.11 refuses graph trees
 for any pluggable allocator, with an error: that counts as a pass, since
@@ -62,9 +63,13 @@ def child(case):
             body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    # A second graph shares the first one's pool.
+    second = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             static_out = body()
+        with torch.cuda.graph(second, pool=graph.pool()):
+            second_out = body() * 3
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         result.update(captured=False, error="".join(traceback.format_exception_only(exc)).strip())
@@ -74,16 +79,29 @@ def child(case):
     # The capture's intermediates are free now. Eager tensors that take
     # their memory would be overwritten by a replay.
     eager = [torch.full((N,), 7.0, device=dev) for _ in range(8)]
-    new_in = torch.randn(N, device=dev)
-    static_in.copy_(new_in)
-    graph.replay()
-    torch.cuda.synchronize()
-    expected = (new_in * 2).sin() + 1
-    result["replay_right"] = bool(torch.equal(static_out, expected))
-    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
+
+    def replay(g):
+        new_in = torch.randn(N, device=dev)
+        static_in.copy_(new_in)
+        g.replay()
+        torch.cuda.synchronize()
+        return (new_in * 2).sin() + 1
+
+    expected = replay(graph)
+    right = torch.equal(static_out, expected)
+    right &= torch.equal(second_out, replay(second) * 3)
     if case == "vmpool":
         result["graph_pools_during"] = vmpool_torch.stats()["graph_pools"]
-        del graph, static_out
+    # The first graph goes; the second still replays into the shared pool,
+    # which must stay (and not go to eager tensors).
+    del graph, static_out
+    eager += [torch.full((N,), 7.0, device=dev) for _ in range(8)]
+    right &= torch.equal(second_out, replay(second) * 3)
+    result["replay_right"] = bool(right)
+    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
+    if case == "vmpool":
+        result["graph_pools_shared"] = vmpool_torch.stats()["graph_pools"]
+        del second, second_out
         torch.cuda.synchronize()
         result["graph_pools_after"] = vmpool_torch.stats()["graph_pools"]
     print("RESULT " + json.dumps(result), flush=True)
@@ -143,9 +161,9 @@ def check(flag, case):
     line = (f"  {case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
             f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}")
     if "graph_pools_after" in r:
-        line += (f"; graph pools {r['graph_pools_during']} while the graph lives, "
-                 f"{r['graph_pools_after']} after")
-        ok &= r["graph_pools_during"] == 1 and r["graph_pools_after"] == 0
+        line += (f"; graph pools {r['graph_pools_during']} while both graphs live, "
+                 f"{r['graph_pools_shared']} while one does, {r['graph_pools_after']} after")
+        ok &= (r["graph_pools_during"], r["graph_pools_shared"], r["graph_pools_after"]) == (1, 1, 0)
     print(line)
     for log in [l for l in proc.stderr.splitlines() if "vmpool" in l][-5:]:
         print(f"           log: {log}")
