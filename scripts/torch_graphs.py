@@ -63,13 +63,16 @@ def child(case):
             body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # A second graph shares the first one's pool.
+    # A second graph shares the first one's pool, and writes its result to
+    # an eager tensor: it keeps nothing allocated in the pool, but replays
+    # into what its capture freed there.
     second = torch.cuda.CUDAGraph()
+    second_out = torch.empty(N, device=dev)
     try:
         with torch.cuda.graph(graph):
             static_out = body()
         with torch.cuda.graph(second, pool=graph.pool()):
-            second_out = body() * 3
+            second_out.copy_(body() * 3)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         result.update(captured=False, error="".join(traceback.format_exception_only(exc)).strip())
