@@ -65,7 +65,9 @@ void vmpool_record_stream(void *ptr, void *stream);
  * capturing (cuStreamIsCapturing) comes from it; a free goes back to the
  * pool it came from; a pool goes, with its memory, once every graph that
  * captured into it is released (graphs may share one: one release per
- * begin) and its last allocation is freed. One capture at a time per device: an allocation on
+ * begin) and its last allocation is freed. A free of an allocation that
+ * vmpool_record_stream named other streams for, made while a pool is open,
+ * is done when the capture ends. One capture at a time per device: an allocation on
  * a capturing stream while two pools are open fails (NULL, logged).
  * `filter` is PyTorch's stream filter (a C++ object passed by reference);
  * vmpool does not use it. vmpool_trim and the figures of vmpool_stats other

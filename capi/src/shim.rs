@@ -230,6 +230,13 @@ struct Device<B: Backend> {
     /// capturing.
     graphs: Mutex<FxHashMap<GraphPoolId, GraphPool<B>>>,
     open_graphs: AtomicUsize,
+    /// Frees of allocations with recorded users (`record_stream`) made
+    /// while a capture is under way, with the stream each was freed on:
+    /// done when the capture ends. During a capture the freeing stream may
+    /// wait for no event recorded outside it, and the memory must not be
+    /// reused before the users' work, so such a free waits, as PyTorch's
+    /// own allocator defers it.
+    deferred_frees: Mutex<Vec<(u64, Live<B>, usize)>>,
     /// Events for a free to wait for the streams recorded as users, kept:
     /// a wait takes what the event captured when it is made, so an event
     /// serves again at once, without a driver call to create it.
@@ -290,6 +297,7 @@ impl<B: Backend> Shim<B> {
                 graphs: Mutex::default(),
                 open_graphs: AtomicUsize::new(0),
                 idle_events: Mutex::default(),
+                deferred_frees: Mutex::default(),
                 refused_frees: AtomicU64::new(0),
                 timed_calls: AtomicU64::new(0),
                 call_nanos: AtomicU64::new(0),
@@ -514,19 +522,23 @@ impl<B: Backend> Shim<B> {
     /// `endAllocateToPool`, at the end of a capture).
     pub fn end_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
         let dev = self.device(device)?;
-        let mut graphs = lock(&dev.graphs);
-        match graphs.get_mut(&id) {
+        let closed = match lock(&dev.graphs).get_mut(&id) {
             Some(graph) if graph.open.is_some() => {
                 graph.open = None;
-                dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
-                Ok(())
+                dev.open_graphs.fetch_sub(1, Ordering::AcqRel) == 1
             }
-            _ => Err(CallError::GraphPool {
-                device: dev.id.0,
-                id,
-                why: "closed but not open",
-            }),
+            _ => {
+                return Err(CallError::GraphPool {
+                    device: dev.id.0,
+                    id,
+                    why: "closed but not open",
+                })
+            }
+        };
+        if closed {
+            self.free_deferred(dev);
         }
+        Ok(())
     }
 
     /// A graph that captured into pool `id` is gone (PyTorch's
@@ -543,13 +555,16 @@ impl<B: Backend> Shim<B> {
                 why: "released more often than opened",
             });
         };
-        if graph.open.take().is_some() {
-            dev.open_graphs.fetch_sub(1, Ordering::AcqRel);
-        }
+        let closed =
+            graph.open.take().is_some() && dev.open_graphs.fetch_sub(1, Ordering::AcqRel) == 1;
         graph.uses -= 1;
         if graph.uses == 0 && graph.live == 0 {
             graphs.remove(&id);
             tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
+        }
+        drop(graphs);
+        if closed {
+            self.free_deferred(dev);
         }
         Ok(())
     }
@@ -615,6 +630,33 @@ impl<B: Backend> Shim<B> {
                 "vmpool: free names another size than was allocated; freeing the allocation"
             );
         }
+        let live = Live {
+            allocation,
+            used_on,
+            graph,
+        };
+        if !live.used_on.is_empty() && dev.open_graphs.load(Ordering::Acquire) > 0 {
+            lock(&dev.deferred_frees).push((ptr, live, stream));
+            return Ok(());
+        }
+        self.hand_back(dev, ptr, live, stream)
+    }
+
+    /// Frees `live` (just taken out of the live table) on `stream`, after
+    /// making the stream wait for its recorded users; on failure it goes
+    /// back in the table, unchanged.
+    fn hand_back(
+        &self,
+        dev: &Device<B>,
+        ptr: u64,
+        live: Live<B>,
+        stream: usize,
+    ) -> Result<(), CallError> {
+        let Live {
+            allocation,
+            used_on,
+            graph,
+        } = live;
         let graph_pool;
         let pool = match graph {
             None => self.pool(dev)?,
@@ -653,6 +695,18 @@ impl<B: Backend> Shim<B> {
             lock(&dev.live).insert(ptr, live);
         }
         Err(err.into())
+    }
+
+    /// Does the frees deferred while a capture was under way (see
+    /// `Device::deferred_frees`), once none is; a failed one is logged and
+    /// its allocation stays live.
+    fn free_deferred(&self, dev: &Device<B>) {
+        let deferred = std::mem::take(&mut *lock(&dev.deferred_frees));
+        for (ptr, live, stream) in deferred {
+            if let Err(err) = self.hand_back(dev, ptr, live, stream) {
+                tracing::error!("vmpool: a free deferred past a graph capture: {err}");
+            }
+        }
     }
 
     /// Counts a free of graph pool `id`'s; the last of a pool no graph
@@ -1027,6 +1081,39 @@ mod tests {
             shim.release_graph_pool(0, id).is_err(),
             "released more often than opened"
         );
+    }
+
+    /// During a capture, a free of memory another stream was recorded on
+    /// waits for the capture's end: the freeing stream may wait for no
+    /// event recorded outside the capture, and the memory must not be
+    /// reused before the other stream's work. Then it is freed, behind
+    /// that work.
+    #[test]
+    fn a_free_with_recorded_users_waits_for_the_end_of_the_capture() {
+        use std::time::{Duration, Instant};
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(Arc::clone(&host), config(&[]).unwrap(), odd_handles_only).unwrap();
+        let id = (0, 11);
+        let (s, other) = (host_stream(&shim, 1), host_stream(&shim, 3));
+        shim.begin_graph_pool(0, id).unwrap();
+        host.begin_capture(s.raw()).unwrap();
+        let p = shim.alloc(1 << 20, 0, 1).unwrap();
+        shim.record_stream(p, 3).unwrap();
+        shim.free(p, -1, 0, 1).unwrap();
+        // Not free yet: the same size on the same stream gets other memory.
+        let q = shim.alloc(1 << 20, 0, 1).unwrap();
+        assert_ne!(q, p);
+        shim.free(q, -1, 0, 1).unwrap();
+        host.end_capture(s.raw()).expect("the capture survived");
+        host.delay(other.raw(), Duration::from_millis(300)).unwrap();
+        shim.end_graph_pool(0, id).unwrap();
+        // Freed now, behind stream 3's work.
+        assert!(shim.free(p, -1, 0, 1).is_err(), "freed once already");
+        let started = Instant::now();
+        host.synchronize_stream(s.raw()).unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        shim.release_graph_pool(0, id).unwrap();
+        assert_eq!(shim.figures(0).unwrap().graph_pools, 0);
     }
 
     #[test]
