@@ -11,7 +11,9 @@ when it ends. Then eager tensors are filled with a sentinel, the graph is
 replayed on new input, and both the graph's output and the sentinels are
 checked; a second graph captured into the first one's pool must replay
 right too, also after the first is gone. Under vmpool, the pool must stay
-while either graph lives and be gone once both are. Then the same checks
+while either graph lives and be gone once both are. A third capture forks
+a side stream that reads an intermediate the main stream frees after
+`record_stream`. Then the same checks
 (right results, eager tensors kept) for a model run through
 `torch.compile(mode="reduce-overhead")`, whose CUDA graph trees capture
 into pools that a tree's graphs share. (PyTorch 2.11 refuses graph trees
@@ -100,13 +102,34 @@ def child(case):
     del graph, static_out
     eager += [torch.full((N,), 7.0, device=dev) for _ in range(8)]
     right &= torch.equal(second_out, replay(second) * 3)
-    result["replay_right"] = bool(right)
-    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
     if case == "vmpool":
         result["graph_pools_shared"] = vmpool_torch.stats()["graph_pools"]
         del second, second_out
         torch.cuda.synchronize()
         result["graph_pools_after"] = vmpool_torch.stats()["graph_pools"]
+    # A capture that forks a side stream, which reads an intermediate that
+    # the main stream frees after `record_stream` (vmpool defers that free
+    # to the capture's end).
+    forked = torch.cuda.CUDAGraph()
+    fork = torch.cuda.Stream()
+    with torch.cuda.graph(forked):
+        main = torch.cuda.current_stream()
+        t = static_in * 2
+        fork.wait_stream(main)
+        with torch.cuda.stream(fork):
+            forked_sum = t.sum()
+        t.record_stream(fork)
+        del t
+        forked_out = static_in + 1
+        main.wait_stream(fork)
+    new_in = torch.randn(N, device=dev)
+    static_in.copy_(new_in)
+    forked.replay()
+    torch.cuda.synchronize()
+    right &= torch.equal(forked_out, new_in + 1)
+    right &= bool(torch.isclose(forked_sum, (new_in * 2).sum(), rtol=1e-4))
+    result["replay_right"] = bool(right)
+    result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
     print("RESULT " + json.dumps(result), flush=True)
 
 
