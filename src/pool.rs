@@ -1558,6 +1558,9 @@ impl<B: Backend> Inner<B> {
         stream: &Arc<StreamShared<B>>,
         id: u64,
     ) -> Result<Option<u64>> {
+        if space.captures.under_way() {
+            return Ok(None);
+        }
         let Some(event_seq) = self.event_after_frees(space, id)? else {
             return Ok(None);
         };

@@ -444,6 +444,10 @@ pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: 
     let theirs = pool.allocate_async(WHOLE, &other).unwrap();
     b.delay(other.raw(), LATE).unwrap();
     pool.free_async(theirs, &other).unwrap();
+    // A miss on the other stream merges its free into the heap, guarded,
+    // and records an event after it: one a wait could use, as it covers
+    // the other stream's latest free.
+    let miss = pool.allocate_async(3 * MIB, &other).unwrap();
     let (waits, events) = (pool.stats().waits_inserted, pool.stats().events_recorded);
     let capture = ctx.graph_capture();
     b.begin_capture(s.raw()).unwrap();
@@ -469,6 +473,7 @@ pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: 
     for a in live {
         pool.free_async(a, &s).unwrap();
     }
+    pool.free_async(miss, &other).unwrap();
     // After the capture the other stream's free is usable again, by a
     // wait if it has not passed yet.
     let after = pool.allocate_async(WHOLE, &s).unwrap();
