@@ -623,6 +623,19 @@ fn host_uuids_follow_the_machine_not_the_ordinal() {
 /// On an idle stream the host completes a recorded event at once (a GPU
 /// does within microseconds), so that replays that record events behave the
 /// same on every run.
+/// A host stream dropped while capturing ends its capture, as destroying a
+/// CUDA stream does: the backend refuses no more calls for it.
+#[test]
+fn host_a_stream_dropped_while_capturing_ends_its_capture() {
+    let b = open::host();
+    let s = b.create_stream(DEV).unwrap();
+    let other = b.create_stream(DEV).unwrap();
+    b.begin_capture(&s).unwrap();
+    assert!(b.synchronize_stream(&other).is_err());
+    drop(s);
+    b.synchronize_stream(&other).unwrap();
+}
+
 #[test]
 fn host_record_on_an_idle_stream_completes_at_once() {
     let b = open::host();

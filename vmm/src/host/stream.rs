@@ -405,6 +405,17 @@ fn same_device(call: &'static str, a: DeviceId, b: DeviceId) -> Result<()> {
     }
 }
 
+impl Drop for HostStream {
+    /// A stream that goes while capturing ends its capture (as destroying
+    /// a CUDA stream does), so that the backend does not refuse calls for a
+    /// capture that no one can end.
+    fn drop(&mut self) {
+        if self.capturing() {
+            lock(&self.memory.captures).retain(|c| !Arc::ptr_eq(c, &self.capture));
+        }
+    }
+}
+
 impl Drop for HostEvent {
     fn drop(&mut self) {
         self.memory.events.fetch_sub(1, Ordering::Relaxed);
