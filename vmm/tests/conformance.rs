@@ -620,9 +620,6 @@ fn host_uuids_follow_the_machine_not_the_ordinal() {
     assert!(vmm::host::Host::new(config(u32::MAX)).is_err());
 }
 
-/// On an idle stream the host completes a recorded event at once (a GPU
-/// does within microseconds), so that replays that record events behave the
-/// same on every run.
 /// A host stream dropped while capturing ends its capture, as destroying a
 /// CUDA stream does: the backend refuses no more calls for it.
 #[test]
@@ -636,6 +633,9 @@ fn host_a_stream_dropped_while_capturing_ends_its_capture() {
     b.synchronize_stream(&other).unwrap();
 }
 
+/// On an idle stream the host completes a recorded event at once (a GPU
+/// does within microseconds), so that replays that record events behave the
+/// same on every run.
 #[test]
 fn host_record_on_an_idle_stream_completes_at_once() {
     let b = open::host();
