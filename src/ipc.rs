@@ -366,6 +366,10 @@ impl<B: Backend> Pool<B> {
 // The protocol: one request, one reply, over a SOCK_SEQPACKET pair. Each
 // message is little-endian u64 words; an error reply adds its text.
 const HELLO: u64 = 1;
+/// The protocol's version, in the hello: builds that speak another refuse
+/// each other by name rather than misreading each other's messages.
+/// Version 1 had no version word and no device UUID in the answer.
+const PROTOCOL: u64 = 2;
 /// How long [`ImportedPool::from_shareable_handle`] waits for the exporter.
 const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 const IMPORT: u64 = 2;
@@ -397,7 +401,15 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
         let Some(shared) = pool.upgrade() else { break };
         let pool = Pool::from_shared(shared);
         let answer = match request.as_slice() {
-            [HELLO] => match pool.backend().device_uuid(pool.device()) {
+            &[HELLO, version] if version != PROTOCOL => reply(
+                &[FAILED],
+                &format!("the importer speaks protocol {version}, this exporter {PROTOCOL}"),
+            ),
+            [HELLO] => reply(
+                &[FAILED],
+                &format!("the importer speaks protocol 1, this exporter {PROTOCOL}"),
+            ),
+            [HELLO, _] => match pool.backend().device_uuid(pool.device()) {
                 Ok(uuid) => {
                     let (high, low) = uuid.split_at(8);
                     let word = |half: &[u8]| u64::from_be_bytes(half.try_into().expect("8 bytes"));
@@ -537,10 +549,14 @@ impl<B: Backend> ImportedPool<B> {
             .map_err(|e| ipc_error("setsockopt", e))
         };
         timeout(Some(HELLO_TIMEOUT))?;
-        let reply = request(handle.as_fd(), &[HELLO])?;
+        let reply = request(handle.as_fd(), &[HELLO, PROTOCOL])?;
         timeout(None)?;
         let &[OK, token, device, granule, high, low] = reply.0.as_slice() else {
             return Err(Error::Ipc(match reply.0.as_slice() {
+                // An exporter of protocol 1 knows no hello with a version.
+                [FAILED] if reply.1 == "unknown request" => {
+                    format!("the exporter speaks protocol 1, this importer {PROTOCOL}")
+                }
                 [FAILED] => format!("the exporter could not answer: {}", reply.1),
                 other => format!("unexpected answer to hello: {other:?}"),
             }));
@@ -844,4 +860,35 @@ fn recv(socket: BorrowedFd<'_>, buf: &mut [u8]) -> Result<(usize, Option<OwnedFd
         }
     }
     Ok((received.bytes, fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Context, HandleType, PoolProps};
+
+    /// Builds of another protocol version are refused by name, both ways.
+    #[test]
+    fn another_protocol_version_is_refused_by_name() {
+        let host = vmm::host::Host::new(vmm::host::HostConfig::default()).unwrap();
+        let ctx = Context::new(Arc::clone(&host)).unwrap();
+        let pool = ctx
+            .create_pool(&PoolProps {
+                handle_type: HandleType::PosixFileDescriptor,
+                ..PoolProps::new(DeviceId(0))
+            })
+            .unwrap();
+        let handle = pool.export_to_shareable_handle().unwrap();
+        for (hello, speaks) in [(vec![HELLO], 1), (vec![HELLO, PROTOCOL + 1], PROTOCOL + 1)] {
+            let (words, text) = request(handle.as_fd(), &hello).unwrap();
+            assert_eq!(words, [FAILED]);
+            assert_eq!(
+                text,
+                format!("the importer speaks protocol {speaks}, this exporter {PROTOCOL}")
+            );
+        }
+        // The right version still connects.
+        let (words, _) = request(handle.as_fd(), &[HELLO, PROTOCOL]).unwrap();
+        assert_eq!(words[0], OK);
+    }
 }
