@@ -99,6 +99,8 @@ def library():
         lib.vmpool_flush_traces.argtypes = []
         lib.vmpool_empty_cache.restype = None
         lib.vmpool_empty_cache.argtypes = []
+        lib.vmpool_set_memory_fraction.restype = None
+        lib.vmpool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
         # The pools are never dropped: recorded traces (VMPOOL_RECORD) are
         # written out at exit.
         atexit.register(lib.vmpool_flush_traces)
@@ -115,7 +117,8 @@ def install():
     calls for a pluggable allocator, and memory would be reused under
     another stream's reads, or under a graph's replays. And
     `torch.cuda.empty_cache()`, which then returns vmpool's unused memory
-    on every device."""
+    on every device, and `torch.cuda.set_per_process_memory_fraction()`,
+    which then limits vmpool's pool."""
     import torch
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
@@ -126,6 +129,7 @@ def install():
         ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
         ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
         ("set_reset_fn", lib.vmpool_empty_cache, "torch.cuda.empty_cache"),
+        ("set_memory_fraction_fn", lib.vmpool_set_memory_fraction, "torch.cuda.set_per_process_memory_fraction"),
     ]
     missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
     if missing:

@@ -74,7 +74,7 @@ use crate::{Error, Result};
 pub struct PoolProps {
     pub device: DeviceId,
     /// Most physical bytes the pool may hold; `None`: no limit but the
-    /// device's memory.
+    /// device's memory. [`Pool::set_max_size`] changes it later.
     pub max_size: Option<u64>,
     /// Largest chunk a growth of the large-allocation arena creates, in bytes
     /// (rounded up to the granularity); `None`: [`DEFAULT_CHUNK_SIZE`]. The
@@ -381,7 +381,6 @@ struct Space<B: Backend> {
     device: DeviceId,
     reservation: Arc<Reservation<B>>,
     granule: u64,
-    max_size: u64,
     defragment: bool,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -487,6 +486,8 @@ struct Inner<B: Backend> {
     used: u64,
     used_high: u64,
     release_threshold: u64,
+    /// Most physical bytes the pool may hold (`PoolProps::max_size`).
+    max_size: u64,
     /// The reuse switches, in order: follow event dependencies,
     /// opportunistic, internal dependencies.
     reuse: [bool; 3],
@@ -606,7 +607,6 @@ impl<B: Backend> Pool<B> {
                 device,
                 reservation,
                 granule,
-                max_size: props.max_size.unwrap_or(u64::MAX),
                 defragment: props.defragment,
                 shareable: props.handle_type == HandleType::PosixFileDescriptor,
                 captures: Arc::clone(captures),
@@ -626,6 +626,7 @@ impl<B: Backend> Pool<B> {
                 used: 0,
                 used_high: 0,
                 release_threshold: 0,
+                max_size: props.max_size.unwrap_or(u64::MAX),
                 reuse: [true; 3],
                 unchecked: 0,
                 found_guards: Vec::new(),
@@ -938,6 +939,14 @@ impl<B: Backend> Pool<B> {
         inner.release_pending(stream, upto);
         let keep = inner.release_threshold;
         inner.trim_to(keep)
+    }
+
+    /// Changes the most physical bytes the pool may hold
+    /// ([`PoolProps::max_size`]; `None`: no limit but the device's memory).
+    /// Growth past it fails with [`Error::PoolLimit`]; memory held above it
+    /// now stays until it is freed and trimmed.
+    pub fn set_max_size(&self, max_size: Option<u64>) {
+        self.lock().max_size = max_size.unwrap_or(u64::MAX);
     }
 
     /// Releases unused physical memory until the pool holds at most
@@ -2038,11 +2047,11 @@ impl<B: Backend> Inner<B> {
     }
 
     fn create_chunk(&mut self, space: &Space<B>, size: u64) -> Result<Arc<Chunk<B>>> {
-        if self.reserved + size > space.max_size {
+        if self.reserved + size > self.max_size {
             return Err(Error::PoolLimit {
                 requested: size,
                 reserved: self.reserved,
-                max_size: space.max_size,
+                max_size: self.max_size,
             });
         }
         let chunk = if space.shareable {

@@ -307,6 +307,24 @@ pub fn pool_limit<B: Backend>(b: &Arc<B>) {
     pool.free(a).unwrap();
     let whole = pool.allocate(8 * MIB).unwrap();
     pool.free(whole).unwrap();
+    // Raised later: room for more. Lowered under what is held: that stays,
+    // growth fails, and trimming brings the pool under the limit.
+    pool.set_max_size(Some(16 * MIB));
+    let a = pool.allocate(12 * MIB).unwrap();
+    pool.set_max_size(Some(4 * MIB));
+    assert!(pool.stats().reserved_bytes >= 12 * MIB);
+    assert!(matches!(
+        pool.allocate(12 * MIB),
+        Err(Error::PoolLimit { max_size, .. }) if max_size == 4 * MIB
+    ));
+    pool.free(a).unwrap();
+    pool.trim_to(0).unwrap();
+    let small = pool.allocate(4 * MIB).unwrap();
+    pool.free(small).unwrap();
+    pool.set_max_size(None);
+    let big = pool.allocate(64 * MIB).unwrap();
+    pool.free(big).unwrap();
+    pool.audit().unwrap();
 }
 
 suites!(

@@ -94,6 +94,13 @@ int vmpool_trim(int device, uint64_t keep);
  * hooks it). CUDA graphs' pools keep theirs. Failures are logged. */
 void vmpool_empty_cache(void);
 
+/* Limits the device's pool to `fraction` (in (0, 1]) of the device's
+ * memory: growth past it fails as out of memory; what the pool holds above
+ * it stays until freed and trimmed. CUDA graphs' pools are not limited.
+ * PyTorch's torch.cuda.set_per_process_memory_fraction (vmpool_torch.install
+ * hooks it). A bad fraction is logged and changes nothing. */
+void vmpool_set_memory_fraction(double fraction, int device);
+
 /* Sets the high-water marks to the current values. 0 / -1. */
 int vmpool_reset_peaks(int device);
 

@@ -248,6 +248,20 @@ pub extern "C" fn vmpool_empty_cache() {
     call("empty_cache", (), |g| with_shim!(g, s => s.empty_cache()));
 }
 
+/// Limits `device`'s pool to `fraction` (in (0, 1]) of the device's memory:
+/// growth past it fails as out of memory (PyTorch's
+/// `torch.cuda.set_per_process_memory_fraction`, which
+/// `vmpool_torch.install` hooks). A bad fraction is logged and changes
+/// nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_set_memory_fraction(fraction: f64, device: c_int) {
+    call(
+        "set_memory_fraction",
+        (),
+        |g| with_shim!(g, s => s.set_memory_fraction(fraction, i64::from(device))),
+    );
+}
+
 /// Resets the reserved and used high-water marks to their current values.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_reset_peaks(device: c_int) -> c_int {

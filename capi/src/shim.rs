@@ -187,6 +187,8 @@ pub enum CallError {
          vmpool cannot tell which capture it belongs to (one capture at a time per device)"
     )]
     WhichCapture { device: u32, open: usize },
+    #[error("memory fraction {0}: not in (0, 1]")]
+    Fraction(f64),
     #[error("graph pool {id:?} on device {device}: {why}")]
     GraphPool {
         device: u32,
@@ -802,6 +804,26 @@ impl<B: Backend> Shim<B> {
             }
             pool.trim_to(0)?;
         }
+        Ok(())
+    }
+
+    /// Limits `device`'s pool to `fraction` of the device's memory
+    /// (PyTorch's `set_per_process_memory_fraction`): growth past it fails,
+    /// as out of memory; what the pool holds above it stays until freed
+    /// and trimmed. Graph pools are not limited.
+    pub fn set_memory_fraction(&self, fraction: f64, device: i64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(CallError::Fraction(fraction));
+        }
+        let total = self
+            .context
+            .backend()
+            .mem_info(dev.id)
+            .map_err(vmpool::Error::from)?
+            .total as f64;
+        self.pool(dev)?
+            .set_max_size(Some((fraction * total) as u64));
         Ok(())
     }
 

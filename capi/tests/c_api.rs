@@ -1,4 +1,4 @@
-//! The C functions, called as a C caller would, on the host backend (five
+//! The C functions, called as a C caller would, on the host backend (six
 //! devices, so that tests running at once each watch figures of their own).
 //! The CUDA path of the same functions is exercised on the GPU by
 //! `scripts/pytorch_compare.py` (README.md, "PyTorch").
@@ -11,8 +11,8 @@ use std::thread;
 use vmpool_c::{
     vmpool_alloc, vmpool_backend, vmpool_begin_allocate_to_pool, vmpool_empty_cache,
     vmpool_end_allocate_to_pool, vmpool_free, vmpool_record_stream, vmpool_release_pool,
-    vmpool_reset_peaks, vmpool_stats, vmpool_synchronize, vmpool_trim, VmpoolMempoolId,
-    VmpoolStats,
+    vmpool_reset_peaks, vmpool_set_memory_fraction, vmpool_stats, vmpool_synchronize, vmpool_trim,
+    VmpoolMempoolId, VmpoolStats,
 };
 
 /// Selects the host backend before the library's first call reads the
@@ -21,7 +21,7 @@ fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         std::env::set_var("VMPOOL_BACKEND", "host");
-        std::env::set_var("VMPOOL_HOST_DEVICES", "5");
+        std::env::set_var("VMPOOL_HOST_DEVICES", "6");
         std::env::set_var("VMPOOL_HOST_MEMORY", "1GiB");
         std::env::set_var("VMPOOL_RELEASE_THRESHOLD", "0");
         std::env::set_var("VMPOOL_TIMING", "1");
@@ -170,6 +170,30 @@ fn graph_pool_hooks() {
     assert_eq!(stats(d).reserved_bytes, 0);
 }
 
+/// `torch.cuda.set_per_process_memory_fraction`: the device's pool grows
+/// no further than the fraction of its memory (1 GiB here); a bad
+/// fraction changes nothing.
+#[test]
+fn memory_fraction_limits_the_pool() {
+    setup();
+    let d = 5;
+    vmpool_set_memory_fraction(1.5, d);
+    vmpool_set_memory_fraction(f64::NAN, d);
+    let big = vmpool_alloc(600 << 20, d, stream(1));
+    assert!(!big.is_null(), "no limit yet");
+    vmpool_free(big, 600 << 20, d, stream(1));
+    vmpool_synchronize(d);
+    vmpool_set_memory_fraction(0.25, d);
+    assert!(
+        vmpool_alloc(600 << 20, d, stream(1)).is_null(),
+        "over a quarter"
+    );
+    let fits = vmpool_alloc(200 << 20, d, stream(1));
+    assert!(!fits.is_null());
+    vmpool_free(fits, 200 << 20, d, stream(1));
+    vmpool_set_memory_fraction(1.0, d);
+}
+
 #[test]
 fn bad_arguments_return_null() {
     setup();
@@ -182,9 +206,9 @@ fn bad_arguments_return_null() {
         vmpool_alloc(2 << 30, d, stream(1)).is_null(),
         "more than the device"
     );
-    assert!(vmpool_alloc(64, 5, stream(1)).is_null(), "no device 5");
+    assert!(vmpool_alloc(64, 6, stream(1)).is_null(), "no device 6");
     assert!(vmpool_alloc(64, -1, stream(1)).is_null(), "no device -1");
-    assert_eq!(vmpool_stats(5).valid, 0);
+    assert_eq!(vmpool_stats(6).valid, 0);
     assert_eq!(vmpool_trim(7, 0), -1);
     assert_eq!(vmpool_synchronize(-3), -1);
     let after = stats(d);
