@@ -3,9 +3,9 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [multi]
-#   (default: all but soak, torch, record-stream, graphs and multi; soak runs
-#   SOAK_SECONDS, default 300)
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [multi]
+#   (default: all but soak, torch, record-stream, graphs, limits and multi;
+#   soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
@@ -15,6 +15,9 @@
 #
 # graphs: scripts/torch_graphs.py, whether CUDA graphs (torch.cuda.graph)
 # capture and replay right, without their memory going to eager tensors.
+#
+# limits: scripts/torch_limits.py, whether set_per_process_memory_fraction
+# limits the allocator and empty_cache gives the memory back.
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
@@ -94,6 +97,9 @@ for job in $jobs; do
         ;;
     graphs)
         run "pytorch graphs" python3 "$here/torch/torch_graphs.py"
+        ;;
+    limits)
+        run "pytorch limits" python3 "$here/torch/torch_limits.py"
         ;;
     replay)
         for trace in "$here"/traces/*; do

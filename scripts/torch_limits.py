@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Checks, on the GPU, that `torch.cuda.set_per_process_memory_fraction`
+limits an allocator: with a fraction of 0.05 (about 7 GB on an H200) a
+1 GiB tensor fits and a 12 GiB one raises PyTorch's out-of-memory error;
+at 1.0 the 12 GiB one fits. Then `torch.cuda.empty_cache()` gives the
+memory back. Each case runs in a process of its own:
+
+    native   PyTorch's caching allocator
+    vmpool   vmpool_torch.install()
+
+    python3 scripts/torch_limits.py
+
+Exits non-zero when a case behaves otherwise.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GIB = 1 << 30
+
+
+def child(case):
+    import torch
+    import vmpool_torch
+
+    if case == "vmpool":
+        vmpool_torch.install()
+    dev = torch.device("cuda")
+    torch.cuda.set_per_process_memory_fraction(0.05)
+    small = torch.empty(GIB, dtype=torch.uint8, device=dev)
+    try:
+        torch.empty(12 * GIB, dtype=torch.uint8, device=dev)
+        refused = False
+    except torch.OutOfMemoryError:
+        refused = True
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    big = torch.empty(12 * GIB, dtype=torch.uint8, device=dev)
+    del small, big
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    print("RESULT " + json.dumps({"refused_over_fraction": refused, "used_after_empty_cache": total - free}))
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    failed = False
+    for case in ("native", "vmpool"):
+        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+            failed = True
+            continue
+        r = json.loads(lines[-1][len("RESULT "):])
+        print(f"{case:8} 12 GiB over a 0.05 fraction: {'refused' if r['refused_over_fraction'] else 'ALLOWED'}; "
+              f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB")
+        failed |= not r["refused_over_fraction"]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
