@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Checks, on the GPU, that `torch.cuda.set_per_process_memory_fraction`
 limits an allocator: with a fraction of 0.05 (about 7 GB on an H200) a
-1 GiB tensor fits and a 12 GiB one raises PyTorch's out-of-memory error;
-at 1.0 the 12 GiB one fits. Then `torch.cuda.empty_cache()` gives the
-memory back. Each case runs in a process of its own:
+1 GiB tensor fits and a 12 GiB one is refused; at 1.0 the 12 GiB one fits.
+Then `torch.cuda.empty_cache()` gives the memory back. How the refusal
+shows is reported too: native PyTorch raises its out-of-memory error; for
+a pluggable allocator, which can only return NULL, PyTorch 2.11 makes a
+tensor with a null pointer and raises nothing. Each case runs in a process
+of its own:
 
     native   PyTorch's caching allocator
     vmpool   vmpool_torch.install()
@@ -32,16 +35,18 @@ def child(case):
     torch.cuda.set_per_process_memory_fraction(0.05)
     small = torch.empty(GIB, dtype=torch.uint8, device=dev)
     try:
-        torch.empty(12 * GIB, dtype=torch.uint8, device=dev)
-        refused = False
+        over = torch.empty(12 * GIB, dtype=torch.uint8, device=dev)
+        raised, refused = False, over.data_ptr() == 0
+        del over
     except torch.OutOfMemoryError:
-        refused = True
+        raised, refused = True, True
     torch.cuda.set_per_process_memory_fraction(1.0)
     big = torch.empty(12 * GIB, dtype=torch.uint8, device=dev)
     del small, big
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    print("RESULT " + json.dumps({"refused_over_fraction": refused, "used_after_empty_cache": total - free}))
+    print("RESULT " + json.dumps({"refused_over_fraction": refused, "raised": raised,
+                                  "used_after_empty_cache": total - free}))
 
 
 def main():
@@ -57,7 +62,9 @@ def main():
             failed = True
             continue
         r = json.loads(lines[-1][len("RESULT "):])
-        print(f"{case:8} 12 GiB over a 0.05 fraction: {'refused' if r['refused_over_fraction'] else 'ALLOWED'}; "
+        how = "an out-of-memory error" if r["raised"] else "a tensor with a null pointer, no error"
+        print(f"{case:8} 12 GiB over a 0.05 fraction: "
+              f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "
               f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB")
         failed |= not r["refused_over_fraction"]
     sys.exit(1 if failed else 0)
