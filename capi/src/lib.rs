@@ -2,11 +2,15 @@
 //!
 //! Its first user is PyTorch: `torch.cuda.memory.CUDAPluggableAllocator`
 //! loads the library and calls [`vmpool_alloc`] and [`vmpool_free`] for
-//! every tensor, and [`vmpool_record_stream`] for `Tensor.record_stream`
-//! (`scripts/vmpool_torch.py` does the set-up). Each device
-//! gets one stream-ordered vmpool pool on first use; the caller's streams
-//! become vmpool streams; configuration comes from the environment
-//! ([`shim::Config`], README.md's "PyTorch" section).
+//! every tensor; [`vmpool_record_stream`] for `Tensor.record_stream`;
+//! [`vmpool_begin_allocate_to_pool`], [`vmpool_end_allocate_to_pool`] and
+//! [`vmpool_release_pool`] around CUDA graph captures;
+//! [`vmpool_empty_cache`] and [`vmpool_set_memory_fraction`] for
+//! `torch.cuda.empty_cache` and `set_per_process_memory_fraction`
+//! (`scripts/vmpool_torch.py` does the set-up). Each device gets one
+//! stream-ordered vmpool pool on first use, and each graph-pool id one of
+//! its own; the caller's streams become vmpool streams; configuration comes
+//! from the environment ([`shim::Config`], README.md's "PyTorch" section).
 //!
 //! A C caller can only get NULL or -1 back, so every failure is logged
 //! (through `tracing`, to stderr, filtered by `VMPOOL_LOG`, default `warn`)
