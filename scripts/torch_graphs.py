@@ -29,14 +29,14 @@ runs in a process of its own:
 Exits non-zero when a case fails to capture, computes a wrong result,
 loses a sentinel, or (vmpool) keeps the graph's pool.
 """
-import json
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from torch_cases import report, run_case  # noqa: E402
 
 CASES = ["native", "vmpool"]
 N = 16 << 20  # float32 elements: 64 MiB
@@ -78,7 +78,7 @@ def child(case):
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         result.update(captured=False, error="".join(traceback.format_exception_only(exc)).strip())
-        print("RESULT " + json.dumps(result), flush=True)
+        report(result)
         return
     result["captured"] = True
     # The capture's intermediates are free now. Eager tensors that take
@@ -130,7 +130,7 @@ def child(case):
     right &= bool(torch.isclose(forked_sum, (new_in * 2).sum(), rtol=1e-4))
     result["replay_right"] = bool(right)
     result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
 
 
 def compiled_child(case):
@@ -161,22 +161,19 @@ def compiled_child(case):
         # hook): a loud refusal, nothing vmpool can serve.
         refused = case == "vmpool" and "pluggable does not yet support" in error
         result.update(captured=False, error=error, refused_by_torch=refused)
-        print("RESULT " + json.dumps(result), flush=True)
+        report(result)
         return
     result["captured"] = True
     result["replay_right"] = all(bool(torch.allclose(o, r, rtol=1e-3, atol=1e-3)) for o, r in zip(outs, refs))
     result["sentinels_kept"] = all(bool((t == 7.0).all()) for t in eager)
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
 
 
 def check(flag, case):
     """Runs one case in a child process and prints its line; whether it passed."""
-    proc = subprocess.run([sys.executable, __file__, flag, case], capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        print(f"  {case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+    r, proc = run_case(__file__, flag, case)
+    if r is None:
         return False
-    r = json.loads(lines[-1][len("RESULT "):])
     if r.get("refused_by_torch"):
         print(f"  {case:8} refused by PyTorch, loudly (no hook for a pluggable allocator): {r['error']}")
         return True

@@ -15,12 +15,12 @@ of its own:
 
 Exits non-zero when a case behaves otherwise.
 """
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from torch_cases import report, run_case  # noqa: E402
 
 GIB = 1 << 30
 
@@ -45,8 +45,7 @@ def child(case):
     del small, big
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    print("RESULT " + json.dumps({"refused_over_fraction": refused, "raised": raised,
-                                  "used_after_empty_cache": total - free}))
+    report({"refused_over_fraction": refused, "raised": raised, "used_after_empty_cache": total - free})
 
 
 def main():
@@ -55,13 +54,10 @@ def main():
         return
     failed = False
     for case in ("native", "vmpool"):
-        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+        r, _ = run_case(__file__, "--child", case)
+        if r is None:
             failed = True
             continue
-        r = json.loads(lines[-1][len("RESULT "):])
         how = "an out-of-memory error" if r["raised"] else "a tensor with a null pointer, no error"
         print(f"{case:8} 12 GiB over a 0.05 fraction: "
               f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "

@@ -19,13 +19,13 @@ Exits non-zero when native or vmpool gets a wrong sum (the unhooked case is
 expected to, whenever it reuses the memory), or when a case's side stream
 had already finished at the free, which would make the check prove nothing.
 """
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from torch_cases import report, run_case  # noqa: E402
 
 CASES = ["native", "vmpool", "vmpool-unhooked"]
 ELEMENTS = 64 << 20  # int32: 256 MiB
@@ -69,8 +69,7 @@ def child(case):
     # its module, which can take longer than the sleep.
     attempt(0)
     busy, reused, got = attempt(SLEEP_CYCLES)
-    print("RESULT " + json.dumps({"case": case, "busy": busy, "reused": reused, "sum": got,
-                                  "ok": got == ELEMENTS}))
+    report({"case": case, "busy": busy, "reused": reused, "sum": got, "ok": got == ELEMENTS})
 
 
 def main():
@@ -80,13 +79,10 @@ def main():
     failed = False
     print(f"expected sum {ELEMENTS}")
     for case in CASES:
-        proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(f"{case}: failed to run (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+        r, _ = run_case(__file__, "--child", case)
+        if r is None:
             failed = True
             continue
-        r = json.loads(lines[-1][len("RESULT "):])
         verdict = "right" if r["ok"] else "WRONG"
         if not r["busy"]:
             # The side stream had finished before the free: proves nothing.
