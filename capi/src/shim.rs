@@ -264,6 +264,28 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+impl<B: Backend> Device<B> {
+    /// Closes `graph` if it is open, keeping `open_graphs` its count;
+    /// whether that closed the last open one (then the deferred frees can
+    /// go, see [`Shim::free_deferred`]).
+    fn close_graph(&self, graph: &mut GraphPool<B>) -> bool {
+        graph.open.take().is_some() && self.open_graphs.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// Drops graph pool `id` once no graph uses it and nothing of it is
+    /// allocated.
+    fn drop_graph_if_unused(
+        &self,
+        graphs: &mut FxHashMap<GraphPoolId, GraphPool<B>>,
+        id: GraphPoolId,
+    ) {
+        if graphs.get(&id).is_some_and(|g| g.uses == 0 && g.live == 0) {
+            graphs.remove(&id);
+            tracing::debug!(device = self.id.0, ?id, "vmpool: graph pool dropped");
+        }
+    }
+}
+
 pub struct Shim<B: Backend> {
     context: Context<B>,
     config: Config,
@@ -525,10 +547,7 @@ impl<B: Backend> Shim<B> {
     pub fn end_graph_pool(&self, device: i64, id: GraphPoolId) -> Result<(), CallError> {
         let dev = self.device(device)?;
         let closed = match lock(&dev.graphs).get_mut(&id) {
-            Some(graph) if graph.open.is_some() => {
-                graph.open = None;
-                dev.open_graphs.fetch_sub(1, Ordering::AcqRel) == 1
-            }
+            Some(graph) if graph.open.is_some() => dev.close_graph(graph),
             _ => {
                 return Err(CallError::GraphPool {
                     device: dev.id.0,
@@ -557,13 +576,9 @@ impl<B: Backend> Shim<B> {
                 why: "released more often than opened",
             });
         };
-        let closed =
-            graph.open.take().is_some() && dev.open_graphs.fetch_sub(1, Ordering::AcqRel) == 1;
+        let closed = dev.close_graph(graph);
         graph.uses -= 1;
-        if graph.uses == 0 && graph.live == 0 {
-            graphs.remove(&id);
-            tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
-        }
+        dev.drop_graph_if_unused(&mut graphs, id);
         drop(graphs);
         if closed {
             self.free_deferred(dev);
@@ -611,12 +626,7 @@ impl<B: Backend> Shim<B> {
         size: i64,
         stream: usize,
     ) -> Result<(), CallError> {
-        let Some(Live {
-            allocation,
-            used_on,
-            graph,
-        }) = lock(&dev.live).remove(&ptr)
-        else {
+        let Some(live) = lock(&dev.live).remove(&ptr) else {
             dev.refused_frees.fetch_add(1, Ordering::Relaxed);
             return Err(CallError::NotOurs {
                 ptr,
@@ -624,19 +634,14 @@ impl<B: Backend> Shim<B> {
                 why: self.why_not_ours(ptr, dev),
             });
         };
-        if size >= 0 && size as u64 != allocation.size() {
+        if size >= 0 && size as u64 != live.allocation.size() {
             tracing::warn!(
                 ptr = format_args!("{ptr:#x}"),
                 given = size,
-                allocated = allocation.size(),
+                allocated = live.allocation.size(),
                 "vmpool: free names another size than was allocated; freeing the allocation"
             );
         }
-        let live = Live {
-            allocation,
-            used_on,
-            graph,
-        };
         if !live.used_on.is_empty() && dev.open_graphs.load(Ordering::Acquire) > 0 {
             lock(&dev.deferred_frees).push((ptr, live, stream));
             return Ok(());
@@ -715,14 +720,11 @@ impl<B: Backend> Shim<B> {
     /// uses drops it.
     fn graph_allocation_freed(&self, dev: &Device<B>, id: GraphPoolId) {
         let mut graphs = lock(&dev.graphs);
-        let graph = graphs
+        graphs
             .get_mut(&id)
-            .expect("a graph pool stays while it has allocations");
-        graph.live -= 1;
-        if graph.uses == 0 && graph.live == 0 {
-            graphs.remove(&id);
-            tracing::debug!(device = dev.id.0, ?id, "vmpool: graph pool dropped");
-        }
+            .expect("a graph pool stays while it has allocations")
+            .live -= 1;
+        dev.drop_graph_if_unused(&mut graphs, id);
     }
 
     /// Makes `stream` wait for the work queued so far on each of `users`
