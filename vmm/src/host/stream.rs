@@ -411,7 +411,8 @@ impl Drop for HostStream {
     /// capture that no one can end.
     fn drop(&mut self) {
         if self.capturing() {
-            lock(&self.memory.captures).retain(|c| !Arc::ptr_eq(c, &self.capture));
+            // Whether the capture was spoiled no longer matters.
+            let _ = self.set_capturing("drop", false);
         }
     }
 }
