@@ -134,8 +134,8 @@ def install():
     missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
     if missing:
         raise RuntimeError(
-            "this PyTorch cannot pass %s to a pluggable allocator (no %s); vmpool would reuse "
-            "memory still in use" % (" and ".join(sorted({w for _, w in missing})), ", ".join(n for n, _ in missing))
+            "this PyTorch cannot pass %s to a pluggable allocator (no %s)"
+            % (" and ".join(sorted({w for _, w in missing})), ", ".join(n for n, _ in missing))
         )
     for name, fn, _ in hooks:
         getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
