@@ -174,6 +174,52 @@ pub fn double_unmap<B: Backend>(b: &Arc<B>) {
     drop(f);
 }
 
+/// One unmap call takes a run of adjacent whole mappings; after it the
+/// range maps again. A run that is not adjacent unmaps nothing.
+pub fn unmap_a_run_of_mappings<B: Backend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let r = Reservation::new(b, 8 * g, 0).unwrap();
+    let chunks: Vec<_> = [g, 2 * g, g]
+        .into_iter()
+        .map(|size| Chunk::new(b, DEV, size).unwrap())
+        .collect();
+    let map_all = |at: &[usize]| -> Vec<Mapping<B>> {
+        let run: Vec<_> = chunks
+            .iter()
+            .zip(at)
+            .map(|(c, &offset)| Mapping::new(&r, offset, c).unwrap())
+            .collect();
+        for m in &run {
+            m.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+        }
+        run
+    };
+    let run = map_all(&[g, 2 * g, 4 * g]);
+    b.fill_u32(&s, run[1].va(), 2 * g / 4, 0x5EED).unwrap();
+    b.synchronize_stream(&s).unwrap();
+    let back = Mapping::unmap_run(run).map_err(|(e, _)| e).unwrap();
+    assert_eq!(back.len(), 3);
+    assert!(b.unmap(r.base().byte_add(g), g).is_err(), "still mapped");
+    // The chunks map again, elsewhere, with their data.
+    let moved = map_all(&[0, 5 * g, 3 * g]);
+    assert_eq!(
+        read_u32s(&**b, &s, moved[1].va().byte_add(g), 16),
+        vec![0x5EED; 16]
+    );
+    // Not adjacent (a granule between the second and third): nothing goes.
+    let Err((err, kept)) = Mapping::unmap_run(moved) else {
+        panic!("a run with a gap was unmapped");
+    };
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(kept.len(), 3);
+    assert_eq!(
+        b.get_access(kept[2].va(), DEV).unwrap(),
+        Access::ReadWrite,
+        "a refused run was unmapped"
+    );
+}
+
 pub fn set_access_errors<B: Backend>(b: &Arc<B>) {
     let g = granularity(b);
     let f = fixture(b, 2);
@@ -535,6 +581,7 @@ macro_rules! cases {
                 out_of_memory,
                 map_errors,
                 double_unmap,
+                unmap_a_run_of_mappings,
                 set_access_errors,
                 remap_keeps_data,
                 two_mappings_share_data,
