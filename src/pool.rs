@@ -80,6 +80,13 @@ pub struct PoolProps {
     /// (rounded up to the granularity); `None`: [`DEFAULT_CHUNK_SIZE`]. The
     /// small-allocation arena always grows by one granule.
     pub chunk_size: Option<u64>,
+    /// Scales growth chunks with the pool: a growth of the large-allocation
+    /// arena creates chunks of at most the pool's reserved bytes over this
+    /// divisor (at least one granule, at most `chunk_size`), so that the
+    /// free memory a partly used chunk can strand stays a small share of
+    /// the pool. `None`: every growth uses `chunk_size` (fewer chunks,
+    /// faster growth, more stranded). Default [`DEFAULT_CHUNK_DIVISOR`].
+    pub chunk_divisor: Option<u64>,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
     pub va_size: Option<u64>,
@@ -115,6 +122,7 @@ impl PoolProps {
             device,
             max_size: None,
             chunk_size: None,
+            chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
             va_size: None,
             defragment: true,
             record: None,
@@ -161,14 +169,20 @@ impl Recorder {
     }
 }
 
-/// The default largest growth chunk: 32 MiB, a measured choice. Each chunk
-/// costs a fixed ~53 us to create, map and give access to on the H200, and
-/// ~65 us to move, whatever its size, so small chunks make growth slow; physical memory moves
-/// only in whole chunks, so large ones strand free memory. On the shared
-/// traces, 32 MiB keeps the footprint of 2 MiB chunks (1.0092 / 1.0036
-/// against 1.0092 / 1.0023) and replays 4 to 5 times faster on the GPU
-/// (docs/RESULTS.md).
+/// The default largest growth chunk: 32 MiB. With the default
+/// [`DEFAULT_CHUNK_DIVISOR`] growth reaches it only once the pool holds
+/// 128 GiB; without a divisor every growth uses it. Each chunk costs a
+/// fixed ~9 us to create and map on the H200 and each growth ~45 us to give
+/// access to, whatever the sizes (docs/RESULTS.md).
 pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
+
+/// The default [`PoolProps::chunk_divisor`]: growth chunks of at most
+/// 1/4096 of the pool (one 2 MiB granule up to 8 GiB), a measured choice.
+/// Over the training traces of docs/RESULTS.md it takes the first replay's
+/// footprint from 1.0126 to 1.0059 on average and the eighth's from 1.0242
+/// to 1.0087, and generation's from 1.09-1.12 to 1.02, for two to three
+/// times the driver time of growth.
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 4096;
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -423,6 +437,20 @@ struct Arena {
     end: u64,
     /// Largest chunk a growth of this arena creates.
     chunk_size: u64,
+    /// See [`PoolProps::chunk_divisor`].
+    chunk_divisor: Option<u64>,
+}
+
+impl Arena {
+    /// Largest chunk a growth creates while the pool holds `reserved` bytes.
+    fn growth_chunk(&self, reserved: u64, granule: u64) -> u64 {
+        match self.chunk_divisor {
+            Some(d) => (reserved / d)
+                .next_multiple_of(granule)
+                .clamp(granule, self.chunk_size),
+            None => self.chunk_size,
+        }
+    }
 }
 
 /// A stream with pending frees in this pool, and the events recorded on it
@@ -559,9 +587,9 @@ impl<B: Backend> Pool<B> {
             .unwrap_or(DEFAULT_CHUNK_SIZE)
             .next_multiple_of(granule);
         let va_size = props.va_size.unwrap_or(4 * total).next_multiple_of(granule);
-        if chunk_size == 0 || va_size == 0 {
+        if chunk_size == 0 || va_size == 0 || props.chunk_divisor == Some(0) {
             return Err(Error::InvalidProps(
-                "chunk and address-space sizes must be non-zero".into(),
+                "chunk size, chunk divisor and address-space size must be non-zero".into(),
             ));
         }
         let reservation = Reservation::new(backend, va_size as usize, 0)?;
@@ -569,11 +597,12 @@ impl<B: Backend> Pool<B> {
         // An eighth of the address space for small allocations is far more
         // than they ever need; the rest is for large ones.
         let split = base + (va_size / 8).next_multiple_of(granule);
-        let arena = |start, end, chunk_size| Arena {
+        let arena = |start, end, chunk_size, chunk_divisor| Arena {
             heap: Heap::new(),
             start,
             end,
             chunk_size,
+            chunk_divisor,
         };
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         let record = props.record.clone().or_else(|| {
@@ -613,8 +642,8 @@ impl<B: Backend> Pool<B> {
             },
             inner: Mutex::new(Inner {
                 arenas: [
-                    arena(base, split, granule),
-                    arena(split, base + va_size, chunk_size),
+                    arena(base, split, granule, None),
+                    arena(split, base + va_size, chunk_size, props.chunk_divisor),
                 ],
                 units: BTreeMap::new(),
                 spares: Vec::new(),
@@ -645,7 +674,7 @@ impl<B: Backend> Pool<B> {
         let mut list = siblings.lock().unwrap_or_else(|p| p.into_inner());
         list.retain(|w| w.strong_count() > 0);
         list.push(Arc::downgrade(&shared));
-        tracing::debug!(pool = shared.id, %device, va_size, chunk_size, "pool created");
+        tracing::debug!(pool = shared.id, %device, va_size, chunk_size, chunk_divisor = ?props.chunk_divisor, "pool created");
         Ok(Self(shared))
     }
 
@@ -1820,11 +1849,9 @@ impl<B: Backend> Inner<B> {
 
     /// `free`: the free units growth may move (see [`Inner::free_units`]).
     fn plan(&self, space: &Space<B>, arena: usize, size: u64, free: &[FreeUnit]) -> Result<Plan> {
+        let growth_chunk = self.arenas[arena].growth_chunk(self.reserved, space.granule);
         let Arena {
-            heap,
-            start,
-            end,
-            chunk_size,
+            heap, start, end, ..
         } = &self.arenas[arena];
         // Address ranges in use: units, and old places of moved units.
         let mut occupied: Vec<(u64, u64)> = self
@@ -1869,7 +1896,7 @@ impl<B: Backend> Inner<B> {
             spares: &spares,
             units: &units,
             granule: space.granule,
-            chunk_size: *chunk_size,
+            chunk_size: growth_chunk,
         };
         plan::plan_growth(size, &inputs).ok_or(Error::InvalidSize {
             requested: size,
@@ -1908,15 +1935,19 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Takes free units (as [`Inner::free_units`] lists them) out of the
-    /// heap and unmaps them, right to left so that each free block's id
-    /// stays valid for the units left of it. A unit under guards (of the
-    /// stream that moves it) is not unmapped but kept as an [`Alias`].
-    /// Returns their chunks by the address they had, each with the guard
-    /// (stream, position) it was under. A unit that fails to unmap goes
-    /// back in the heap; the chunks unmapped before it are spare.
+    /// heap and unmaps them, one driver call per run of adjacent units. They
+    /// leave the heap right to left, so that each free block's id stays
+    /// valid for the units left of it. A unit under guards (of the stream
+    /// that moves it) is not unmapped but kept as an [`Alias`]. Returns
+    /// their chunks by the address they had, each with the guard (stream,
+    /// position) it was under. If a run fails to unmap, it and the runs not
+    /// yet unmapped go back in the heap, and the chunks unmapped before are
+    /// spare.
     fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<MovedUnit<B>>> {
         units.sort_by_key(|&(va, _, _)| std::cmp::Reverse(va));
         let mut chunks: Vec<MovedUnit<B>> = Vec::new();
+        // Runs of adjacent units to unmap, each in address order.
+        let mut runs: Vec<Vec<Mapping<B>>> = Vec::new();
         for (va, len, block) in units {
             self.heap_of(va).take(block, va, len);
             let mapping = self.units.remove(&va).expect("a free unit is mapped");
@@ -1941,15 +1972,30 @@ impl<B: Backend> Inner<B> {
                 chunks.push((va, chunk, Some((first.stream, seq))));
                 continue;
             }
-            match mapping.unmap() {
-                Ok(chunk) => {
+            match runs.last_mut() {
+                Some(run) if run[0].va().0 == va + len => run.insert(0, mapping),
+                _ => runs.push(vec![mapping]),
+            }
+        }
+        let mut runs = runs.into_iter();
+        while let Some(run) = runs.next() {
+            let vas: Vec<u64> = run.iter().map(|m| m.va().0).collect();
+            match Mapping::unmap_run(run) {
+                Ok(unmapped) => {
                     self.stats.unmaps += 1;
-                    tracing::debug!(va = format_args!("{va:#x}"), len, "unmapped unit");
-                    chunks.push((va, chunk, None));
+                    tracing::debug!(
+                        va = format_args!("{:#x}", vas[0]),
+                        units = vas.len(),
+                        "unmapped units"
+                    );
+                    chunks.extend(vas.into_iter().zip(unmapped).map(|(va, c)| (va, c, None)));
                 }
-                Err((err, mapping)) => {
-                    self.units.insert(va, mapping);
-                    self.heap_of(va).insert_free(va, len);
+                Err((err, run)) => {
+                    for mapping in run.into_iter().chain(runs.flatten()) {
+                        let (va, len) = (mapping.va().0, mapping.size() as u64);
+                        self.units.insert(va, mapping);
+                        self.heap_of(va).insert_free(va, len);
+                    }
                     for (_, chunk, _) in chunks {
                         self.keep_spare(chunk);
                     }
