@@ -114,7 +114,59 @@ pub fn invalid_requests<B: Backend>(b: &Arc<B>) {
         ctx.create_pool(&PoolProps::new(DeviceId(99))),
         Err(Error::InvalidDevice(_))
     ));
+    assert!(matches!(
+        ctx.create_pool(&PoolProps {
+            chunk_divisor: Some(0),
+            ..PoolProps::new(DEV)
+        }),
+        Err(Error::InvalidProps(_))
+    ));
     pool.audit().unwrap();
+}
+
+/// Growth chunks: at most the pool's reserved bytes over the divisor (at
+/// least a granule, at most the chunk size), or the chunk size itself
+/// without a divisor.
+pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let chunk_sizes = |pool: &vmpool::Pool<B>| -> Vec<u64> {
+        let s = pool.snapshot();
+        let large = s.arenas[1].0;
+        s.units
+            .iter()
+            .filter(|u| u.va >= large)
+            .map(|u| u.size)
+            .collect()
+    };
+    let pool = |chunk_divisor| {
+        ctx.create_pool(&PoolProps {
+            va_size: Some(4 << 30),
+            chunk_size: Some(16 * g),
+            chunk_divisor,
+            ..PoolProps::new(DEV)
+        })
+        .unwrap()
+    };
+    // Divisor 4, each growth capped at what the pool held before it over 4:
+    // empty, by granules; at 8 granules, by 2; at 16, by 4; at 80, by the
+    // chunk size (16, under 80 / 4).
+    let scaled = pool(Some(4));
+    let mut live = Vec::new();
+    for (granules, chunk, count) in [(8, 1, 8), (8, 2, 4), (64, 4, 16), (32, 16, 2)] {
+        let before = chunk_sizes(&scaled).len();
+        live.push(scaled.allocate(granules * g).unwrap());
+        assert_eq!(chunk_sizes(&scaled)[before..], vec![chunk * g; count]);
+    }
+    scaled.audit().unwrap();
+    for x in live {
+        scaled.free(x).unwrap();
+    }
+    // No divisor: whole chunks from the first growth on.
+    let fixed = pool(None);
+    let a = fixed.allocate(20 * g).unwrap();
+    assert_eq!(chunk_sizes(&fixed), vec![16 * g, 4 * g]);
+    fixed.free(a).unwrap();
 }
 
 pub fn small_allocations_are_packed<B: Backend>(b: &Arc<B>) {
@@ -331,6 +383,7 @@ suites!(
     sizes_and_alignment,
     more_than_half_the_device,
     invalid_requests,
+    growth_chunks_scale_with_the_pool,
     small_allocations_are_packed,
     checkerboard_is_served_by_remapping,
     trim_returns_every_chunk,

@@ -1,7 +1,8 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
 //!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc]
-//!                   [--chunk-size BYTES] [--stream-ordered] [--no-defragment] [--passes N] [--json] TRACE
+//!                   [--chunk-size BYTES] [--chunk-divisor N] [--stream-ordered] [--no-defragment]
+//!                   [--passes N] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -51,6 +52,11 @@ struct Args {
     /// Largest growth chunk, bytes (default: vmpool::DEFAULT_CHUNK_SIZE).
     #[arg(long)]
     chunk_size: Option<u64>,
+    /// Growth chunks of at most the pool's reserved bytes over N
+    /// (`PoolProps::chunk_divisor`; default: vmpool::DEFAULT_CHUNK_DIVISOR);
+    /// 0: every growth uses the largest chunk.
+    #[arg(long, default_value_t = vmpool::DEFAULT_CHUNK_DIVISOR)]
+    chunk_divisor: u64,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -88,13 +94,17 @@ struct Report {
 
 impl Report {
     /// Estimated driver time of the replay's growth and remapping on the
-    /// H200, in microseconds: about 50 us per chunk mapped (map and set
-    /// access, the latter paid per separately mapped chunk), 21 us per
-    /// chunk unmapped and 15 us per chunk released (MEASURED.md,
-    /// docs/RESULTS.md). Creating a chunk (~9 us) is left out: it comes
-    /// with a map, which dominates.
+    /// H200, in microseconds, from `driver_tour`'s per-call costs
+    /// (docs/RESULTS.md, "What a chunk costs"): 45 us per growth (one
+    /// set-access call gives the whole new range its access), 9 us per
+    /// chunk created, 1 us per chunk mapped (new or moved), 22 us per
+    /// unmap call and 15 us per chunk released.
     fn est_driver_us(&self) -> u64 {
-        50 * self.maps + 21 * self.unmaps + 15 * self.chunks_released
+        45 * self.grows
+            + 9 * self.chunks_created
+            + self.maps
+            + 22 * self.unmaps
+            + 15 * self.chunks_released
     }
 }
 
@@ -202,17 +212,12 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
 fn replay_vmpool<B: Backend>(
     backend: Arc<B>,
     trace: &Trace,
-    chunk_size: Option<u64>,
+    props: &PoolProps,
     stream_ordered: bool,
-    defragment: bool,
     passes: usize,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
-    let pool = ctx.create_pool(&PoolProps {
-        chunk_size,
-        defragment,
-        ..PoolProps::new(DeviceId(0))
-    })?;
+    let pool = ctx.create_pool(props)?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
     let stream = ctx.create_stream(DeviceId(0))?;
     let mut replayed = VmpoolReplay {
@@ -343,6 +348,12 @@ fn main() -> Result<()> {
         bail!("--no-defragment is for vmpool");
     }
     let passes = args.passes as usize;
+    let props = PoolProps {
+        chunk_size: args.chunk_size,
+        chunk_divisor: (args.chunk_divisor > 0).then_some(args.chunk_divisor),
+        defragment: !args.no_defragment,
+        ..PoolProps::new(DeviceId(0))
+    };
     let report = match (args.backend, args.allocator) {
         (BackendKind::Host, AllocatorKind::Vmpool) => {
             // A device large enough for the trace: four times its peak.
@@ -355,18 +366,16 @@ fn main() -> Result<()> {
             replay_vmpool(
                 vmm::host::Host::new(config)?,
                 &trace,
-                args.chunk_size,
+                &props,
                 args.stream_ordered,
-                !args.no_defragment,
                 passes,
             )?
         }
         (BackendKind::Cuda, AllocatorKind::Vmpool) => replay_vmpool(
             vmm::cuda::Cuda::new()?,
             &trace,
-            args.chunk_size,
+            &props,
             args.stream_ordered,
-            !args.no_defragment,
             passes,
         )?,
         (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
@@ -450,7 +459,7 @@ fn main() -> Result<()> {
             report.grows, report.maps, report.unmaps
         );
         println!(
-            "driver, est.    {:>14} us (50 per map, 21 per unmap, 15 per release)",
+            "driver, est.    {:>14} us (45 per growth, 9 per chunk created, 1 per map, 22 per unmap, 15 per release)",
             report.est_driver_us()
         );
         println!(
