@@ -8,6 +8,8 @@ Runs each workload in a process of its own under each allocator:
     cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
     vmpool            libvmpool_c.so through CUDAPluggableAllocator
     vmpool@SIZE       the same with VMPOOL_CHUNK_SIZE=SIZE (e.g. vmpool@4MiB)
+    vmpool/N          the same with VMPOOL_CHUNK_DIVISOR=N (vmpool/0: every
+                      growth by whole VMPOOL_CHUNK_SIZE chunks)
     vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
                       compare two builds in one run (scripts/gpu-build.sh
                       bundles an older one with BASE_REV=REV)
@@ -301,7 +303,7 @@ def mapped(stats):
 
 
 def is_vmpool(allocator):
-    return allocator == "vmpool" or allocator.startswith(("vmpool@", "vmpool="))
+    return allocator == "vmpool" or allocator.startswith(("vmpool@", "vmpool/", "vmpool="))
 
 
 def step_time(runs):
@@ -341,9 +343,12 @@ def check_allocator(allocator):
     if allocator.startswith("vmpool="):
         if not Path(allocator.split("=", 1)[1]).is_file():
             raise SystemExit(f"{allocator!r}: no library at that path")
+    elif allocator.startswith("vmpool/"):
+        if not allocator.split("/", 1)[1].isdigit():
+            raise SystemExit(f"{allocator!r}: vmpool/N takes a whole number")
     elif allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
-        raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE "
-                         "or vmpool=PATH")
+        raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
+                         "vmpool/N or vmpool=PATH")
 
 
 def run_child(workload, allocator, args):
@@ -353,6 +358,8 @@ def run_child(workload, allocator, args):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
     if allocator.startswith("vmpool@"):
         env["VMPOOL_CHUNK_SIZE"] = allocator.split("@", 1)[1]
+    if allocator.startswith("vmpool/"):
+        env["VMPOOL_CHUNK_DIVISOR"] = allocator.split("/", 1)[1]
     if allocator.startswith("vmpool="):
         env["VMPOOL_LIB"] = str(Path(allocator.split("=", 1)[1]).resolve())
     if is_vmpool(allocator):

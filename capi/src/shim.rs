@@ -96,6 +96,10 @@ pub struct Config {
     pub release_threshold: u64,
     /// `VMPOOL_CHUNK_SIZE`: the largest growth chunk; default the pool's.
     pub chunk_size: Option<u64>,
+    /// `VMPOOL_CHUNK_DIVISOR`: growth chunks of at most the pool's reserved
+    /// bytes over this (`PoolProps::chunk_divisor`); `0` for none; default
+    /// the pool's.
+    pub chunk_divisor: Option<u64>,
     /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
     /// backend's devices; default 1 of 4 GiB.
     pub host_devices: u32,
@@ -155,10 +159,25 @@ impl Config {
             None => None,
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
         };
+        let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
+            None => Some(vmpool::DEFAULT_CHUNK_DIVISOR),
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(0) => None,
+                Ok(n) => Some(n),
+                Err(_) => {
+                    return Err(ConfigError::Other {
+                        name: "VMPOOL_CHUNK_DIVISOR",
+                        value: v,
+                        expected: "a whole number (0: every growth uses the largest chunk)",
+                    })
+                }
+            },
+        };
         Ok(Self {
             backend,
             release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
             chunk_size,
+            chunk_divisor,
             host_devices,
             host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
             timing,
@@ -365,6 +384,7 @@ impl<B: Backend> Shim<B> {
     fn new_pool(&self, device: DeviceId) -> vmpool::Result<Pool<B>> {
         let props = PoolProps {
             chunk_size: self.config.chunk_size,
+            chunk_divisor: self.config.chunk_divisor,
             ..PoolProps::new(device)
         };
         let pool = self.context.create_pool(&props)?;
@@ -903,6 +923,19 @@ mod tests {
         assert_eq!(c.backend, BackendChoice::Cuda);
         assert_eq!(c.release_threshold, u64::MAX);
         assert_eq!(c.chunk_size, None);
+        assert_eq!(c.chunk_divisor, Some(vmpool::DEFAULT_CHUNK_DIVISOR));
+    }
+
+    #[test]
+    fn chunk_divisor() {
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", "0")]).unwrap();
+        assert_eq!(c.chunk_divisor, None);
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", " 512 ")]).unwrap();
+        assert_eq!(c.chunk_divisor, Some(512));
+        for bad in ["", "-1", "1/4096", "x"] {
+            let err = config(&[("VMPOOL_CHUNK_DIVISOR", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_CHUNK_DIVISOR"), "{err}");
+        }
     }
 
     #[test]
