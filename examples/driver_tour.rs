@@ -2,7 +2,8 @@
 //! write, remap a chunk elsewhere and read its data back, order work across
 //! streams with events; each step timed. Then what each step of growing and
 //! moving physical memory costs per chunk size (medians), which is what the
-//! pool's chunk size is chosen from; and whether each of those steps waits
+//! pool's chunk size is chosen from; what giving access to and unmapping a
+//! run of adjacent chunks costs in one call; and whether each of those steps waits
 //! for work queued on the device; and whether a move's unmap, left to a
 //! helper thread, leaves the mapping thread's path. Runs on the GPU when
 //! one is present, else on the host backend, and says which.
@@ -109,8 +110,67 @@ fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
         b.query_event(&event)?
     );
     chunk_costs(b, &range)?;
+    runs_of_chunks(b, &range)?;
     behind_queued_work(b, &range)?;
     unmap_on_another_thread(b, &range)
+}
+
+/// What a run of adjacent 2 MiB chunks costs to give access to and to
+/// unmap: one call for the whole run, against one call per chunk. Growth
+/// gives a new range its access in one call and unmaps the units it moves
+/// one run at a time.
+fn runs_of_chunks<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+    const ROUNDS: usize = 9;
+    const SIZE: usize = 2 << 20;
+    let rw = [AccessDesc::read_write(DEV)];
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("
+a run of adjacent {} MiB chunks, median of {ROUNDS} (us for the run): set access and unmap, in one call and in one call per chunk", SIZE >> 20);
+    println!(
+        "{:>7} {:>16} {:>16} {:>16} {:>16}",
+        "chunks", "access, 1 call", "access, each", "unmap, 1 call", "unmap, each"
+    );
+    for n in [1usize, 4, 16, 64] {
+        let chunks = (0..n)
+            .map(|_| Chunk::new(b, DEV, SIZE))
+            .collect::<vmpool::vmm::Result<Vec<_>>>()?;
+        let mut t = [(); 4].map(|_| Vec::with_capacity(ROUNDS));
+        for _ in 0..ROUNDS {
+            for one_call in [true, false] {
+                let run = chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| Mapping::new(range, (1 << 38) + i * SIZE, c))
+                    .collect::<vmpool::vmm::Result<Vec<_>>>()?;
+                let start = Instant::now();
+                if one_call {
+                    b.set_access(run[0].va(), n * SIZE, &rw)?;
+                } else {
+                    for m in &run {
+                        m.set_access(&rw)?;
+                    }
+                }
+                t[usize::from(!one_call)].push(start.elapsed().as_secs_f64() * 1e6);
+                let start = Instant::now();
+                if one_call {
+                    Mapping::unmap_run(run).map_err(|(e, _)| anyhow::Error::from(e))?;
+                } else {
+                    for m in run {
+                        m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?;
+                    }
+                }
+                t[2 + usize::from(!one_call)].push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        let [access_one, access_each, unmap_one, unmap_each] = t.map(median);
+        println!(
+            "{n:>7} {access_one:>16.1} {access_each:>16.1} {unmap_one:>16.1} {unmap_each:>16.1}"
+        );
+    }
+    Ok(())
 }
 
 /// Whether a move's unmap can leave the mapping thread. A move maps a

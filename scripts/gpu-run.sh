@@ -26,8 +26,10 @@
 # peer_access and ipc examples.
 #
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
-# CUDA's pool, plain cuMemAlloc, and vmpool at each chunk size in
-# REPLAY_CHUNK_SIZES (bytes; default 32 MiB), synchronous and stream-ordered.
+# CUDA's pool, plain cuMemAlloc, and vmpool with each setting in
+# REPLAY_VMPOOL (';'-separated vmpool-replay options, e.g.
+# "--chunk-divisor 0;--chunk-size 2097152"; default: one run at the
+# defaults), synchronous and stream-ordered.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 outdir=${OUT:-$PWD}
@@ -106,9 +108,12 @@ for job in $jobs; do
             for allocator in cuda-async cuda-malloc; do
                 run "replay $(basename "$trace") $allocator" "$here/bin/vmpool-replay" --backend cuda --allocator "$allocator" "$trace"
             done
-            for size in ${REPLAY_CHUNK_SIZES:-33554432}; do
-                run "replay $(basename "$trace") vmpool chunk $size" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" "$trace"
-                run "replay $(basename "$trace") vmpool chunk $size stream-ordered" "$here/bin/vmpool-replay" --backend cuda --chunk-size "$size" --stream-ordered "$trace"
+            IFS=';' read -ra settings <<<"${REPLAY_VMPOOL:-}"
+            for setting in "${settings[@]:-}"; do
+                # shellcheck disable=SC2086 # a setting is a list of options
+                run "replay $(basename "$trace") vmpool $setting" "$here/bin/vmpool-replay" --backend cuda $setting "$trace"
+                # shellcheck disable=SC2086
+                run "replay $(basename "$trace") vmpool $setting stream-ordered" "$here/bin/vmpool-replay" --backend cuda $setting --stream-ordered "$trace"
             done
         done
         ;;
