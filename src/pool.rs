@@ -84,8 +84,11 @@ pub struct PoolProps {
     /// arena creates chunks of at most the pool's reserved bytes over this
     /// divisor (at least one granule, at most `chunk_size`), so that the
     /// free memory a partly used chunk can strand stays a small share of
-    /// the pool. `None`: every growth uses `chunk_size` (fewer chunks,
-    /// faster growth, more stranded). Default [`DEFAULT_CHUNK_DIVISOR`].
+    /// the pool, at the price of many more chunks, each paid for in driver
+    /// time (about 30 us to create and 40 us to move on the H200, whatever
+    /// its size). `None` (the default): every growth uses `chunk_size`.
+    /// docs/RESULTS.md has both sides measured; 4096 suits pools of a few
+    /// GiB whose footprint matters more than their growth time.
     pub chunk_divisor: Option<u64>,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
@@ -122,7 +125,7 @@ impl PoolProps {
             device,
             max_size: None,
             chunk_size: None,
-            chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
+            chunk_divisor: None,
             va_size: None,
             defragment: true,
             record: None,
@@ -169,20 +172,14 @@ impl Recorder {
     }
 }
 
-/// The default largest growth chunk: 32 MiB. With the default
-/// [`DEFAULT_CHUNK_DIVISOR`] growth reaches it only once the pool holds
-/// 128 GiB; without a divisor every growth uses it. Each chunk costs a
-/// fixed ~9 us to create and map on the H200 and each growth ~45 us to give
-/// access to, whatever the sizes (docs/RESULTS.md).
+/// The default largest growth chunk: 32 MiB, a measured choice. Each chunk
+/// costs the H200 a fixed ~30 us to create, map and give access to, and
+/// ~40 us to move, whatever its size, so small chunks make growth slow;
+/// physical memory moves only in whole chunks, so large ones strand free
+/// memory. On the shared traces, 32 MiB keeps the footprint of 2 MiB
+/// chunks (1.0092 / 1.0036 against 1.0092 / 1.0023) and replays 4 to 5
+/// times faster on the GPU (docs/RESULTS.md).
 pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
-
-/// The default [`PoolProps::chunk_divisor`]: growth chunks of at most
-/// 1/4096 of the pool (one 2 MiB granule up to 8 GiB), a measured choice.
-/// Over the training traces of docs/RESULTS.md it takes the first replay's
-/// footprint from 1.0126 to 1.0059 on average and the eighth's from 1.0242
-/// to 1.0087, and generation's from 1.09-1.12 to 1.02, for two to three
-/// times the driver time of growth.
-pub const DEFAULT_CHUNK_DIVISOR: u64 = 4096;
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1935,19 +1932,15 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Takes free units (as [`Inner::free_units`] lists them) out of the
-    /// heap and unmaps them, one driver call per run of adjacent units. They
-    /// leave the heap right to left, so that each free block's id stays
-    /// valid for the units left of it. A unit under guards (of the stream
-    /// that moves it) is not unmapped but kept as an [`Alias`]. Returns
-    /// their chunks by the address they had, each with the guard (stream,
-    /// position) it was under. If a run fails to unmap, it and the runs not
-    /// yet unmapped go back in the heap, and the chunks unmapped before are
-    /// spare.
+    /// heap and unmaps them, right to left so that each free block's id
+    /// stays valid for the units left of it. A unit under guards (of the
+    /// stream that moves it) is not unmapped but kept as an [`Alias`].
+    /// Returns their chunks by the address they had, each with the guard
+    /// (stream, position) it was under. A unit that fails to unmap goes
+    /// back in the heap; the chunks unmapped before it are spare.
     fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<MovedUnit<B>>> {
         units.sort_by_key(|&(va, _, _)| std::cmp::Reverse(va));
         let mut chunks: Vec<MovedUnit<B>> = Vec::new();
-        // Runs of adjacent units to unmap, each in address order.
-        let mut runs: Vec<Vec<Mapping<B>>> = Vec::new();
         for (va, len, block) in units {
             self.heap_of(va).take(block, va, len);
             let mapping = self.units.remove(&va).expect("a free unit is mapped");
@@ -1972,30 +1965,15 @@ impl<B: Backend> Inner<B> {
                 chunks.push((va, chunk, Some((first.stream, seq))));
                 continue;
             }
-            match runs.last_mut() {
-                Some(run) if run[0].va().0 == va + len => run.insert(0, mapping),
-                _ => runs.push(vec![mapping]),
-            }
-        }
-        let mut runs = runs.into_iter();
-        while let Some(run) = runs.next() {
-            let vas: Vec<u64> = run.iter().map(|m| m.va().0).collect();
-            match Mapping::unmap_run(run) {
-                Ok(unmapped) => {
+            match mapping.unmap() {
+                Ok(chunk) => {
                     self.stats.unmaps += 1;
-                    tracing::debug!(
-                        va = format_args!("{:#x}", vas[0]),
-                        units = vas.len(),
-                        "unmapped units"
-                    );
-                    chunks.extend(vas.into_iter().zip(unmapped).map(|(va, c)| (va, c, None)));
+                    tracing::debug!(va = format_args!("{va:#x}"), len, "unmapped unit");
+                    chunks.push((va, chunk, None));
                 }
-                Err((err, run)) => {
-                    for mapping in run.into_iter().chain(runs.flatten()) {
-                        let (va, len) = (mapping.va().0, mapping.size() as u64);
-                        self.units.insert(va, mapping);
-                        self.heap_of(va).insert_free(va, len);
-                    }
+                Err((err, mapping)) => {
+                    self.units.insert(va, mapping);
+                    self.heap_of(va).insert_free(va, len);
                     for (_, chunk, _) in chunks {
                         self.keep_spare(chunk);
                     }

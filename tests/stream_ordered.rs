@@ -41,9 +41,6 @@ fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Poo
     let pool = ctx
         .create_pool(&PoolProps {
             va_size: Some(8 << 30),
-            // Growth by whole chunks: the cases count chunks created to
-            // tell reuse from growth.
-            chunk_divisor: None,
             ..PoolProps::new(DEV)
         })
         .unwrap();

@@ -97,8 +97,7 @@ pub struct Config {
     /// `VMPOOL_CHUNK_SIZE`: the largest growth chunk; default the pool's.
     pub chunk_size: Option<u64>,
     /// `VMPOOL_CHUNK_DIVISOR`: growth chunks of at most the pool's reserved
-    /// bytes over this (`PoolProps::chunk_divisor`); `0` for none; default
-    /// the pool's.
+    /// bytes over this (`PoolProps::chunk_divisor`); default none.
     pub chunk_divisor: Option<u64>,
     /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
     /// backend's devices; default 1 of 4 GiB.
@@ -160,15 +159,14 @@ impl Config {
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
         };
         let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
-            None => Some(vmpool::DEFAULT_CHUNK_DIVISOR),
+            None => None,
             Some(v) => match v.trim().parse::<u64>() {
-                Ok(0) => None,
-                Ok(n) => Some(n),
-                Err(_) => {
+                Ok(n) if n > 0 => Some(n),
+                _ => {
                     return Err(ConfigError::Other {
                         name: "VMPOOL_CHUNK_DIVISOR",
                         value: v,
-                        expected: "a whole number (0: every growth uses the largest chunk)",
+                        expected: "a whole number, at least 1",
                     })
                 }
             },
@@ -923,16 +921,14 @@ mod tests {
         assert_eq!(c.backend, BackendChoice::Cuda);
         assert_eq!(c.release_threshold, u64::MAX);
         assert_eq!(c.chunk_size, None);
-        assert_eq!(c.chunk_divisor, Some(vmpool::DEFAULT_CHUNK_DIVISOR));
+        assert_eq!(c.chunk_divisor, None);
     }
 
     #[test]
     fn chunk_divisor() {
-        let c = config(&[("VMPOOL_CHUNK_DIVISOR", "0")]).unwrap();
-        assert_eq!(c.chunk_divisor, None);
-        let c = config(&[("VMPOOL_CHUNK_DIVISOR", " 512 ")]).unwrap();
-        assert_eq!(c.chunk_divisor, Some(512));
-        for bad in ["", "-1", "1/4096", "x"] {
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", " 4096 ")]).unwrap();
+        assert_eq!(c.chunk_divisor, Some(4096));
+        for bad in ["", "0", "-1", "1/4096", "x"] {
             let err = config(&[("VMPOOL_CHUNK_DIVISOR", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_DIVISOR"), "{err}");
         }

@@ -53,10 +53,10 @@ struct Args {
     #[arg(long)]
     chunk_size: Option<u64>,
     /// Growth chunks of at most the pool's reserved bytes over N
-    /// (`PoolProps::chunk_divisor`; default: vmpool::DEFAULT_CHUNK_DIVISOR);
-    /// 0: every growth uses the largest chunk.
-    #[arg(long, default_value_t = vmpool::DEFAULT_CHUNK_DIVISOR)]
-    chunk_divisor: u64,
+    /// (`PoolProps::chunk_divisor`); default: every growth uses the
+    /// largest chunk.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    chunk_divisor: Option<u64>,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -94,16 +94,16 @@ struct Report {
 
 impl Report {
     /// Estimated driver time of the replay's growth and remapping on the
-    /// H200, in microseconds, from `driver_tour`'s per-call costs
-    /// (docs/RESULTS.md, "What a chunk costs"): 45 us per growth (one
-    /// set-access call gives the whole new range its access), 9 us per
-    /// chunk created, 1 us per chunk mapped (new or moved), 22 us per
-    /// unmap call and 15 us per chunk released.
+    /// H200, in microseconds, from `driver_tour`'s costs (docs/RESULTS.md,
+    /// "What a chunk costs"): each chunk created costs about 9 us to create
+    /// and 1 to map, and each chunk mapped (new or moved) about 20 us of
+    /// set access; each growth's set-access call about 20 us more; each
+    /// unmap about 15 us and each release 15 us.
     fn est_driver_us(&self) -> u64 {
-        45 * self.grows
+        20 * self.grows
             + 9 * self.chunks_created
-            + self.maps
-            + 22 * self.unmaps
+            + 21 * self.maps
+            + 15 * self.unmaps
             + 15 * self.chunks_released
     }
 }
@@ -350,7 +350,7 @@ fn main() -> Result<()> {
     let passes = args.passes as usize;
     let props = PoolProps {
         chunk_size: args.chunk_size,
-        chunk_divisor: (args.chunk_divisor > 0).then_some(args.chunk_divisor),
+        chunk_divisor: args.chunk_divisor,
         defragment: !args.no_defragment,
         ..PoolProps::new(DeviceId(0))
     };
@@ -459,7 +459,7 @@ fn main() -> Result<()> {
             report.grows, report.maps, report.unmaps
         );
         println!(
-            "driver, est.    {:>14} us (45 per growth, 9 per chunk created, 1 per map, 22 per unmap, 15 per release)",
+            "driver, est.    {:>14} us (20 per growth, 9 per chunk created, 21 per map, 15 per unmap, 15 per release)",
             report.est_driver_us()
         );
         println!(

@@ -161,10 +161,6 @@ impl<B: Backend> Drop for Chunk<B> {
     }
 }
 
-/// What [`Mapping::unmap_run`] gives back: the run's chunks, or the error
-/// and the run, still mapped.
-pub type RunResult<B> = Result<Vec<Arc<Chunk<B>>>, (crate::Error, Vec<Mapping<B>>)>;
-
 /// A whole chunk mapped at `va` inside a reservation. Unmapped on
 /// [`Mapping::unmap`] or on drop.
 pub struct Mapping<B: Backend> {
@@ -226,41 +222,6 @@ impl<B: Backend> Mapping<B> {
             }
             Err(err) => Err((err, self)),
         }
-    }
-
-    /// Unmaps a run of adjacent mappings, given in address order, with one
-    /// driver call (`cuMemUnmap` takes a range made of whole mappings, and
-    /// costs about the same for one as for many), and hands their chunks
-    /// back in the same order. On failure, or if the mappings are not
-    /// adjacent in one reservation, nothing is unmapped and they come back
-    /// with the error.
-    pub fn unmap_run(run: Vec<Self>) -> RunResult<B> {
-        let Some(first) = run.first() else {
-            return Ok(Vec::new());
-        };
-        let adjacent = run.windows(2).all(|w| {
-            Arc::ptr_eq(&w[0].reservation, &w[1].reservation)
-                && w[0].va.byte_add(w[0].size()) == w[1].va
-        });
-        if !adjacent {
-            let err = crate::Error::invalid(
-                "Mapping::unmap_run",
-                "the mappings are not adjacent in one reservation, in address order",
-            );
-            return Err((err, run));
-        }
-        let (va, size) = (first.va, run.iter().map(Self::size).sum::<usize>());
-        if let Err(err) = first.reservation.backend.unmap(va, size) {
-            return Err((err, run));
-        }
-        tracing::trace!(%va, size, mappings = run.len(), "unmapped a run");
-        Ok(run
-            .into_iter()
-            .map(|mut m| {
-                m.unmapped = true;
-                Arc::clone(&m.chunk)
-            })
-            .collect())
     }
 
     pub fn va(&self) -> DevicePtr {

@@ -174,49 +174,36 @@ pub fn double_unmap<B: Backend>(b: &Arc<B>) {
     drop(f);
 }
 
-/// One unmap call takes a run of adjacent whole mappings; after it the
-/// range maps again. A run that is not adjacent unmaps nothing.
+/// One set-access call and one unmap call each take a run of adjacent
+/// whole mappings (`Backend::unmap`'s contract); after the unmap the
+/// chunks map again, with their data.
 pub fn unmap_a_run_of_mappings<B: Backend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let r = Reservation::new(b, 8 * g, 0).unwrap();
+    let base = r.base();
     let chunks: Vec<_> = [g, 2 * g, g]
         .into_iter()
         .map(|size| Chunk::new(b, DEV, size).unwrap())
         .collect();
-    let map_all = |at: &[usize]| -> Vec<Mapping<B>> {
-        let run: Vec<_> = chunks
-            .iter()
-            .zip(at)
-            .map(|(c, &offset)| Mapping::new(&r, offset, c).unwrap())
-            .collect();
-        for m in &run {
-            m.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
-        }
-        run
-    };
-    let run = map_all(&[g, 2 * g, 4 * g]);
-    b.fill_u32(&s, run[1].va(), 2 * g / 4, 0x5EED).unwrap();
+    // The run [g, 5g): one granule, two, one.
+    for (c, offset) in chunks.iter().zip([g, 2 * g, 4 * g]) {
+        b.map(base.byte_add(offset), c.handle()).unwrap();
+    }
+    b.set_access(base.byte_add(g), 4 * g, &[AccessDesc::read_write(DEV)])
+        .unwrap();
+    b.fill_u32(&s, base.byte_add(2 * g), 2 * g / 4, 0x5EED)
+        .unwrap();
     b.synchronize_stream(&s).unwrap();
-    let back = Mapping::unmap_run(run).map_err(|(e, _)| e).unwrap();
-    assert_eq!(back.len(), 3);
-    assert!(b.unmap(r.base().byte_add(g), g).is_err(), "still mapped");
-    // The chunks map again, elsewhere, with their data.
-    let moved = map_all(&[0, 5 * g, 3 * g]);
+    b.unmap(base.byte_add(g), 4 * g).unwrap();
+    for offset in [g, 2 * g, 4 * g] {
+        assert!(b.unmap(base.byte_add(offset), g).is_err(), "still mapped");
+    }
+    let moved = Mapping::new(&r, 5 * g, &chunks[1]).unwrap();
+    moved.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
     assert_eq!(
-        read_u32s(&**b, &s, moved[1].va().byte_add(g), 16),
+        read_u32s(&**b, &s, moved.va().byte_add(g), 16),
         vec![0x5EED; 16]
-    );
-    // Not adjacent (a granule between the second and third): nothing goes.
-    let Err((err, kept)) = Mapping::unmap_run(moved) else {
-        panic!("a run with a gap was unmapped");
-    };
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert_eq!(kept.len(), 3);
-    assert_eq!(
-        b.get_access(kept[2].va(), DEV).unwrap(),
-        Access::ReadWrite,
-        "a refused run was unmapped"
     );
 }
 
