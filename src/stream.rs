@@ -54,6 +54,7 @@ impl Clock {
 }
 
 /// A block freed on a stream, not yet known to be free for every stream.
+#[derive(Clone, Copy)]
 pub(crate) struct Pending {
     pub(crate) arena: usize,
     pub(crate) block: crate::heap::BlockId,
@@ -178,6 +179,38 @@ impl PoolFrees {
             out.extend(self.latest.take());
         }
         self.bytes -= out[start..].iter().map(|p| p.size).sum::<u64>();
+    }
+
+    /// Removes every pending block but the latest `keep` that satisfy
+    /// `which`, and appends them to `out` in the order they were freed;
+    /// those kept stay pending as they were. Returns whether any stayed.
+    pub(crate) fn drain_all_but(
+        &mut self,
+        keep: usize,
+        which: impl Fn(&Pending) -> bool,
+        out: &mut Vec<Pending>,
+    ) -> bool {
+        let start = out.len();
+        let latest_kept = keep > 0 && self.latest.as_ref().is_some_and(&which);
+        let mut kept = usize::from(latest_kept);
+        let mut from = self.older.len();
+        while from > 0 && kept < keep {
+            from -= 1;
+            kept += usize::from(which(&self.older[from]));
+        }
+        out.extend(self.older.drain(..from));
+        self.older.retain(|p| {
+            which(p) || {
+                out.push(*p);
+                false
+            }
+        });
+        if !latest_kept {
+            out.extend(self.latest.take());
+            self.latest = self.older.pop();
+        }
+        self.bytes -= out[start..].iter().map(|p| p.size).sum::<u64>();
+        kept > 0
     }
 }
 
@@ -428,6 +461,45 @@ mod tests {
         assert_eq!(out.iter().map(|p| p.seq).collect::<Vec<_>>(), [1, 2, 4, 5]);
         assert!(f.is_empty());
         assert_eq!(f.bytes, 0);
+    }
+
+    #[test]
+    fn drain_all_but_keeps_the_latest_that_qualify() {
+        let small = |p: &Pending| p.size < 1000;
+        let seqs = |v: &[Pending]| v.iter().map(|p| p.seq).collect::<Vec<_>>();
+        // The latest is large: the two latest small ones stay, the latest of
+        // them becomes the list's latest, and the rest go out in free order.
+        let mut f = frees(&[
+            (256, 1),
+            (4096, 2),
+            (512, 3),
+            (4096, 4),
+            (256, 5),
+            (4096, 6),
+        ]);
+        let mut out = Vec::new();
+        assert!(f.drain_all_but(2, small, &mut out));
+        assert_eq!(seqs(&out), [1, 2, 4, 6]);
+        assert_eq!(f.bytes, 512 + 256);
+        assert_eq!(f.reuse(256).map(|p| p.seq), Some(5));
+        assert_eq!(f.take(512, u64::MAX).map(|p| p.seq), Some(3));
+        assert!(f.is_empty());
+        // The latest qualifies and stays; keep 0 drains everything.
+        let mut f = frees(&[(4096, 1), (256, 2), (512, 3)]);
+        out.clear();
+        assert!(f.drain_all_but(1, small, &mut out));
+        assert_eq!(seqs(&out), [1, 2]);
+        assert_eq!(f.bytes, 512);
+        out.clear();
+        assert!(!f.drain_all_but(0, small, &mut out));
+        assert_eq!(seqs(&out), [3]);
+        assert!(f.is_empty() && f.bytes == 0);
+        // Nothing qualifies: all go.
+        let mut f = frees(&[(4096, 1), (2048, 2)]);
+        out.clear();
+        assert!(!f.drain_all_but(8, small, &mut out));
+        assert_eq!(seqs(&out), [1, 2]);
+        assert!(f.is_empty());
     }
 
     #[test]
