@@ -52,7 +52,7 @@ done
 
 # The C library and the PyTorch scripts, for the torch job.
 cargo build --release -p vmpool-c
-cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_cases.py "$bundle/torch/"
+cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_cases.py "$bundle/torch/"
 
 # An older build of the C library, for A/B runs.
 base_line=

@@ -3,8 +3,8 @@
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
 # output under a header that says what ran, when, from which commit.
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [multi]
-#   (default: all but soak, torch, record-stream, graphs, limits and multi;
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [stats] [multi]
+#   (default: all but soak, torch, record-stream, graphs, limits, stats and multi;
 #   soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
@@ -18,6 +18,9 @@
 #
 # limits: scripts/torch_limits.py, whether set_per_process_memory_fraction
 # limits the allocator and empty_cache gives the memory back.
+#
+# stats: scripts/torch_stats.py, whether PyTorch's memory statistics
+# (torch.cuda.memory_allocated() and the rest) report vmpool's figures.
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
@@ -102,6 +105,9 @@ for job in $jobs; do
         ;;
     limits)
         run "pytorch limits" python3 "$here/torch/torch_limits.py"
+        ;;
+    stats)
+        run "pytorch stats" python3 "$here/torch/torch_stats.py"
         ;;
     replay)
         for trace in "$here"/traces/*; do

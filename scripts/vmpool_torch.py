@@ -118,7 +118,10 @@ def install():
     another stream's reads, or under a graph's replays. And
     `torch.cuda.empty_cache()`, which then returns vmpool's unused memory
     on every device, and `torch.cuda.set_per_process_memory_fraction()`,
-    which then limits vmpool's pool."""
+    which then limits vmpool's pool. PyTorch's memory statistics
+    (`torch.cuda.memory_allocated()`, `max_memory_reserved()`,
+    `memory_stats()`, `reset_peak_memory_stats()`, ...), which raise for a
+    pluggable allocator, then report vmpool's figures."""
     import torch
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
@@ -140,7 +143,40 @@ def install():
     for name, fn, _ in hooks:
         getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(allocator)
+    _redirect_torch_statistics(torch)
     return allocator
+
+
+def _redirect_torch_statistics(torch):
+    """PyTorch keeps no statistics for a pluggable allocator: asked for
+    them (`torch.cuda.memory_allocated()`, `max_memory_reserved()`,
+    `memory_stats()`, `reset_peak_memory_stats()`, ...) it raises. These
+    functions all go through `memory_stats_as_nested_dict` and
+    `reset_peak_memory_stats` in `torch.cuda.memory`; pointed at vmpool,
+    they report the device pool's own figures: allocated and active bytes
+    are vmpool's used bytes, reserved bytes its reserved bytes (CUDA
+    graphs' pools not included), each with its peak."""
+    memory = torch.cuda.memory
+
+    def index(device):
+        return torch.cuda._utils._get_device_index(device, optional=True)
+
+    def memory_stats_as_nested_dict(device=None):
+        s = stats(index(device))
+        used = {"all": {"current": s["used_bytes"], "peak": s["used_high"]}}
+        return {
+            "allocated_bytes": used,
+            "active_bytes": used,
+            "reserved_bytes": {"all": {"current": s["reserved_bytes"], "peak": s["reserved_high"]}},
+            "allocation": {"all": {"allocated": s["allocations"], "freed": s["frees"]}},
+        }
+
+    def reset_peak_memory_stats(device=None):
+        reset_peaks(index(device))
+
+    for module in (memory, torch.cuda):
+        module.memory_stats_as_nested_dict = memory_stats_as_nested_dict
+        module.reset_peak_memory_stats = reset_peak_memory_stats
 
 
 def _device(device):
