@@ -66,7 +66,8 @@ pub(crate) struct Pending {
 
 /// How far back before the latest pending free the hot path looks for one
 /// of the size asked for. Past that the allocation takes the pool's lock,
-/// which merges all the stream's pending frees into the heap; so a stream
+/// which merges the stream's pending frees into the heap (all but its
+/// latest few small ones, `KEEP_SMALL` in `pool.rs`); so a stream
 /// that frees thousands of blocks before allocating again pays for one
 /// merge, not for thousands of long searches. With 128, a replay of each
 /// of the 15 traces of `docs/RESULTS.md` and the two recorded under
@@ -82,7 +83,8 @@ pub(crate) struct PoolFrees {
     latest: Option<Pending>,
     /// The others, in the order they were made, so positions increase
     /// along it. Every stream-ordered allocation that misses the hot path
-    /// empties it into the heap, so it stays short: a list searched from
+    /// empties it into the heap (but for a few small blocks), so it stays
+    /// short: a list searched from
     /// the end beats a map by size, which would be built and torn down at
     /// every miss.
     older: Vec<Pending>,
