@@ -2,7 +2,8 @@
 """Checks, on the GPU, that PyTorch's memory statistics work under vmpool:
 `torch.cuda.memory_allocated()`, `max_memory_allocated()`,
 `memory_reserved()`, `max_memory_reserved()`, `memory_stats()` and
-`reset_peak_memory_stats()`. PyTorch keeps none for a pluggable allocator
+`reset_peak_memory_stats()` (and reports whether `memory_summary()`
+runs). PyTorch keeps none for a pluggable allocator
 (asked, it raises); `vmpool_torch.install()` points them at vmpool's own
 figures. Each case runs in a process of its own:
 
@@ -44,6 +45,11 @@ def child(case):
     }
     torch.cuda.reset_peak_memory_stats()
     got["max_allocated_after_reset"] = torch.cuda.max_memory_allocated()
+    try:
+        torch.cuda.memory_summary()
+        got["memory_summary"] = "works"
+    except Exception as e:  # what it raises is what is reported
+        got["memory_summary"] = f"raises {type(e).__name__}: {str(e)[:80]}"
     if case == "vmpool":
         s = vmpool_torch.stats()
         got["own"] = {"used": s["used_bytes"], "reserved": s["reserved_bytes"], "reserved_high": s["reserved_high"]}
@@ -68,7 +74,7 @@ def main():
             continue
         line = ", ".join(f"{k} {r[k] / MIB:.0f} MiB" for k in
                          ("allocated", "max_allocated", "reserved", "max_reserved", "max_allocated_after_reset"))
-        print(f"{case:8} {line}")
+        print(f"{case:8} {line}; memory_summary() {r['memory_summary']}")
         ok = (r["allocated"] == r["stats_allocated"] >= 64 * MIB
               and r["max_allocated"] >= 320 * MIB
               and r["max_allocated_after_reset"] == r["allocated"]
