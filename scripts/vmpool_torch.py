@@ -155,7 +155,9 @@ def _redirect_torch_statistics(torch):
     `reset_peak_memory_stats` in `torch.cuda.memory`; pointed at vmpool,
     they report the device pool's own figures: allocated and active bytes
     are vmpool's used bytes, reserved bytes its reserved bytes (CUDA
-    graphs' pools not included), each with its peak."""
+    graphs' pools not included), each with its peak. `memory_summary()`,
+    whose table needs figures vmpool does not keep (segments, splits),
+    gives vmpool's own summary instead (`summary()`)."""
     memory = torch.cuda.memory
 
     def index(device):
@@ -174,9 +176,13 @@ def _redirect_torch_statistics(torch):
     def reset_peak_memory_stats(device=None):
         reset_peaks(index(device))
 
+    def memory_summary(device=None, abbreviated=False):
+        return summary(index(device))
+
     for module in (memory, torch.cuda):
         module.memory_stats_as_nested_dict = memory_stats_as_nested_dict
         module.reset_peak_memory_stats = reset_peak_memory_stats
+        module.memory_summary = memory_summary
 
 
 def _device(device):
@@ -204,6 +210,27 @@ def stats(device=None):
     if not s.valid:
         raise RuntimeError("vmpool_stats(%d) failed (see vmpool's log on stderr)" % device)
     return {name: getattr(s, name) for name in _FIELDS if name != "valid"}
+
+
+def summary(device=None):
+    """vmpool's figures for `device` as a few lines of text."""
+    device = _device(device)
+    s = stats(device)
+
+    def mib(n):
+        return "%.1f MiB" % (n / (1 << 20))
+
+    return "\n".join([
+        "vmpool on device %d (%s backend)" % (device, backend()),
+        "  used        %s (peak %s)" % (mib(s["used_bytes"]), mib(s["used_high"])),
+        "  reserved    %s (peak %s); largest free range %s; pending frees %s"
+        % (mib(s["reserved_bytes"]), mib(s["reserved_high"]), mib(s["largest_free_range"]), mib(s["pending_bytes"])),
+        "  calls       %d allocations, %d frees, %d refused frees"
+        % (s["allocations"], s["frees"], s["refused_frees"]),
+        "  growth      %d grows; %d chunks created, %d released; %d remaps (%s)"
+        % (s["grows"], s["chunks_created"], s["chunks_released"], s["remaps"], mib(s["bytes_remapped"])),
+        "  graph pools %d (%s reserved)" % (s["graph_pools"], mib(s["graph_reserved_bytes"])),
+    ])
 
 
 def reset_peaks(device=None):

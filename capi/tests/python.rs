@@ -22,6 +22,8 @@ p = lib.vmpool_alloc(3 << 20, 0, None)
 assert p and p % 256 == 0
 s = v.stats(0)
 assert s["used_bytes"] == 3 << 20 and s["reserved_bytes"] >= 3 << 20, s
+text = v.summary(0)
+assert text.startswith("vmpool on device 0 (host backend)") and "used        3.0 MiB" in text, text
 lib.vmpool_free(p + 256, 3 << 20, 0, None)   # an interior pointer: refused
 assert v.stats(0)["refused_frees"] == 1
 lib.vmpool_free(p, 3 << 20, 0, None)
