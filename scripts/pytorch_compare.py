@@ -42,10 +42,13 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from torch_cases import report, run_case  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -290,7 +293,7 @@ def child(args):
         **after_empty_cache,
         **extra,
     }
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
 
 
 # ---- the comparison (parent) ---------------------------------------------------
@@ -369,20 +372,16 @@ def run_child(workload, allocator, args):
     if args.record and is_vmpool(allocator):
         Path(args.record).mkdir(parents=True, exist_ok=True)
         env["VMPOOL_RECORD"] = str(Path(args.record) / workload)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--workload", workload,
-           "--allocator", allocator, "--steps", str(args.steps), "--seed", str(args.seed)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    result, proc = run_case(Path(__file__).resolve(), "--child", "--workload", workload, "--allocator",
+                            allocator, "--steps", str(args.steps), "--seed", str(args.seed), env=env,
+                            timeout=args.timeout, label=f"!! {workload} / {allocator}")
     wall = time.perf_counter() - started
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        print(f"!! {workload} / {allocator} failed (exit {proc.returncode}):\n{tail}", flush=True)
+    if result is None:
         return None
     noise = [l for l in proc.stderr.splitlines() if "vmpool" in l and ("ERROR" in l or "WARN" in l)]
     for line in noise[:10]:
         print(f"   {allocator} log: {line}")
-    result = json.loads(lines[-1][len("RESULT "):])
     result["wall_s"] = wall
     return result
 

@@ -12,13 +12,22 @@ def report(result):
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_case(script, flag, case):
-    """Runs `script flag case` in a new Python process. Returns its result
-    (a dict; `None` when it failed to run, having printed why) and the
-    finished process, for its log."""
-    proc = subprocess.run([sys.executable, str(script), flag, case], capture_output=True, text=True)
+def run_case(script, *args, env=None, timeout=None, label=None):
+    """Runs `script args...` in a new Python process (with `env`, within
+    `timeout` seconds, when given). Returns its result (a dict; `None` when
+    it failed to run, having printed why, under `label`, by default the
+    last argument) and the finished process, for its log (`None` when it
+    ran out of time)."""
+    label = label or args[-1]
+    try:
+        proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {label}: failed to run (no result in {timeout} s)", flush=True)
+        return None, None
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"  {case}: failed to run (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        print(f"  {label}: failed to run (exit {proc.returncode})\n{tail}", flush=True)
         return None, proc
     return json.loads(lines[-1][len("RESULT "):]), proc
