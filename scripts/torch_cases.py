@@ -7,6 +7,18 @@ import subprocess
 import sys
 
 
+def torch_for(case):
+    """The child's side: imports PyTorch, with vmpool as its allocator
+    when `case` is "vmpool"; returns the module."""
+    import torch
+
+    if case == "vmpool":
+        import vmpool_torch
+
+        vmpool_torch.install()
+    return torch
+
+
 def report(result):
     """The child's side: prints its one result line."""
     print("RESULT " + json.dumps(result), flush=True)
@@ -31,3 +43,18 @@ def run_case(script, *args, env=None, timeout=None, label=None):
         print(f"  {label}: failed to run (exit {proc.returncode})\n{tail}", flush=True)
         return None, proc
     return json.loads(lines[-1][len("RESULT "):]), proc
+
+
+def run_checks(script, child, cases, check):
+    """A check script's `main`: as a child (`script --child CASE`), runs
+    `child(CASE)`; as the parent, runs each of `cases` in a child and
+    `check(case, result)`, which prints its line and says whether the case
+    passed. Exits non-zero when one failed or did not run."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    failed = False
+    for case in cases:
+        result, _ = run_case(script, "--child", case)
+        failed |= result is None or not check(case, result)
+    sys.exit(1 if failed else 0)

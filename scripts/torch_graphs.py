@@ -36,18 +36,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from torch_cases import report, run_case  # noqa: E402
+import vmpool_torch  # noqa: E402
+from torch_cases import report, run_case, torch_for  # noqa: E402
 
 CASES = ["native", "vmpool"]
 N = 16 << 20  # float32 elements: 64 MiB
 
 
 def child(case):
-    import torch
-    import vmpool_torch
-
-    if case == "vmpool":
-        vmpool_torch.install()
+    torch = torch_for(case)
     dev = torch.device("cuda")
     result = {"case": case}
     static_in = torch.randn(N, device=dev)
@@ -136,11 +133,7 @@ def child(case):
 def compiled_child(case):
     """`torch.compile(mode="reduce-overhead")`: CUDA graph trees, which
     capture into pools shared by the graphs of a tree."""
-    import torch
-    import vmpool_torch
-
-    if case == "vmpool":
-        vmpool_torch.install()
+    torch = torch_for(case)
     dev = torch.device("cuda")
     result = {"case": case}
     torch.manual_seed(0)

@@ -20,17 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_cases import report, run_case  # noqa: E402
+from torch_cases import report, run_checks, torch_for  # noqa: E402
 
 GIB = 1 << 30
 
 
 def child(case):
-    import torch
-    import vmpool_torch
-
-    if case == "vmpool":
-        vmpool_torch.install()
+    torch = torch_for(case)
     dev = torch.device("cuda")
     torch.cuda.set_per_process_memory_fraction(0.05)
     small = torch.empty(GIB, dtype=torch.uint8, device=dev)
@@ -48,22 +44,16 @@ def child(case):
     report({"refused_over_fraction": refused, "raised": raised, "used_after_empty_cache": total - free})
 
 
+def check(case, r):
+    how = "an out-of-memory error" if r["raised"] else "a tensor with a null pointer, no error"
+    print(f"{case:8} 12 GiB over a 0.05 fraction: "
+          f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "
+          f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB")
+    return r["refused_over_fraction"]
+
+
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
-        return
-    failed = False
-    for case in ("native", "vmpool"):
-        r, _ = run_case(__file__, "--child", case)
-        if r is None:
-            failed = True
-            continue
-        how = "an out-of-memory error" if r["raised"] else "a tensor with a null pointer, no error"
-        print(f"{case:8} 12 GiB over a 0.05 fraction: "
-              f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "
-              f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB")
-        failed |= not r["refused_over_fraction"]
-    sys.exit(1 if failed else 0)
+    run_checks(__file__, child, ("native", "vmpool"), check)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from torch_cases import report, run_case  # noqa: E402
+from torch_cases import report, run_checks, torch_for  # noqa: E402
 
 CASES = ["native", "vmpool", "vmpool-unhooked"]
 ELEMENTS = 64 << 20  # int32: 256 MiB
@@ -33,13 +33,8 @@ SLEEP_CYCLES = 1_000_000_000  # about 0.5 s at the H200's clock
 
 
 def child(case):
-    import torch
-
-    if case == "vmpool":
-        import vmpool_torch
-
-        vmpool_torch.install()
-    elif case == "vmpool-unhooked":
+    torch = torch_for(case)
+    if case == "vmpool-unhooked":
         import vmpool_torch
 
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
@@ -72,26 +67,19 @@ def child(case):
     report({"case": case, "busy": busy, "reused": reused, "sum": got, "ok": got == ELEMENTS})
 
 
+def check(case, r):
+    verdict = "right" if r["ok"] else "WRONG"
+    if not r["busy"]:
+        # The side stream had finished before the free: proves nothing.
+        verdict += ", INCONCLUSIVE (the side stream was idle at the free)"
+    print(f"{case:16} memory reused at once: {str(r['reused']):5}  sum {r['sum']:>10}  {verdict}")
+    return r["busy"] and (case == "vmpool-unhooked" or r["ok"])
+
+
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
-        return
-    failed = False
-    print(f"expected sum {ELEMENTS}")
-    for case in CASES:
-        r, _ = run_case(__file__, "--child", case)
-        if r is None:
-            failed = True
-            continue
-        verdict = "right" if r["ok"] else "WRONG"
-        if not r["busy"]:
-            # The side stream had finished before the free: proves nothing.
-            verdict += ", INCONCLUSIVE (the side stream was idle at the free)"
-            failed = True
-        print(f"{case:16} memory reused at once: {str(r['reused']):5}  sum {r['sum']:>10}  {verdict}")
-        if case != "vmpool-unhooked" and not r["ok"]:
-            failed = True
-    sys.exit(1 if failed else 0)
+    if sys.argv[1:2] != ["--child"]:
+        print(f"expected sum {ELEMENTS}")
+    run_checks(__file__, child, CASES, check)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_cases import report, run_case  # noqa: E402
+import vmpool_torch  # noqa: E402
+from torch_cases import report, run_checks, torch_for  # noqa: E402
 
 MIB = 1 << 20
 
 
 def child(case):
-    import torch
-    import vmpool_torch
-
-    if case == "vmpool":
-        vmpool_torch.install()
+    torch = torch_for(case)
     dev = torch.device("cuda")
     a = torch.empty(256 * MIB, dtype=torch.uint8, device=dev)
     b = torch.empty(64 * MIB, dtype=torch.uint8, device=dev)
@@ -62,33 +59,27 @@ def child(case):
     report(got)
 
 
+def check(case, r):
+    line = ", ".join(f"{k} {r[k] / MIB:.0f} MiB" for k in
+                     ("allocated", "max_allocated", "reserved", "max_reserved", "max_allocated_after_reset"))
+    print(f"{case:8} {line}; memory_summary() {r['memory_summary']}")
+    ok = (r["memory_summary"].startswith("works")
+          and r["allocated"] == r["stats_allocated"] >= 64 * MIB
+          and r["max_allocated"] >= 320 * MIB
+          and r["max_allocated_after_reset"] == r["allocated"]
+          and r["max_reserved"] >= r["reserved"] >= r["allocated"])
+    if case == "vmpool":
+        own = r["own"]
+        print(f"         vmpool's own: used {own['used'] / MIB:.0f} MiB, reserved {own['reserved'] / MIB:.0f} MiB; "
+              f"PyTorch's own statistics for it: {r['pytorch_itself']}")
+        ok &= (r["allocated"] == own["used"] and r["reserved"] == own["reserved"]
+               and r["max_reserved"] == own["reserved_high"])
+    print(f"         {'right' if ok else 'WRONG'}")
+    return ok
+
+
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
-        return
-    failed = False
-    for case in ("native", "vmpool"):
-        r, _ = run_case(__file__, "--child", case)
-        if r is None:
-            failed = True
-            continue
-        line = ", ".join(f"{k} {r[k] / MIB:.0f} MiB" for k in
-                         ("allocated", "max_allocated", "reserved", "max_reserved", "max_allocated_after_reset"))
-        print(f"{case:8} {line}; memory_summary() {r['memory_summary']}")
-        ok = (r["memory_summary"].startswith("works")
-              and r["allocated"] == r["stats_allocated"] >= 64 * MIB
-              and r["max_allocated"] >= 320 * MIB
-              and r["max_allocated_after_reset"] == r["allocated"]
-              and r["max_reserved"] >= r["reserved"] >= r["allocated"])
-        if case == "vmpool":
-            own = r["own"]
-            print(f"         vmpool's own: used {own['used'] / MIB:.0f} MiB, reserved {own['reserved'] / MIB:.0f} MiB; "
-                  f"PyTorch's own statistics for it: {r['pytorch_itself']}")
-            ok &= (r["allocated"] == own["used"] and r["reserved"] == own["reserved"]
-                   and r["max_reserved"] == own["reserved_high"])
-        print(f"         {'right' if ok else 'WRONG'}")
-        failed |= not ok
-    sys.exit(1 if failed else 0)
+    run_checks(__file__, child, ("native", "vmpool"), check)
 
 
 if __name__ == "__main__":
