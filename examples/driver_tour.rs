@@ -38,6 +38,12 @@ fn timed<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     Ok(out)
 }
 
+/// The middle of `v` once sorted (the upper one of an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
     let b = &b;
     let g = b.granularity(DEV)?;
@@ -122,10 +128,6 @@ fn runs_of_chunks<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result
     const ROUNDS: usize = 9;
     const SIZE: usize = 2 << 20;
     let rw = [AccessDesc::read_write(DEV)];
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!("
 a run of adjacent {} MiB chunks, median of {ROUNDS} (us for the run): set access and unmap, in one call and in one call per chunk", SIZE >> 20);
     println!(
@@ -308,10 +310,6 @@ fn behind_queued_work<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Re
 /// the cost model behind the pool's growth chunk size.
 fn chunk_costs<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
     const ROUNDS: usize = 15;
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!("\nper chunk, median of {ROUNDS} (us): create, map, set access, unmap, release, and a move (unmap + map + set access)");
     println!(
         "{:>10} {:>8} {:>8} {:>11} {:>8} {:>8} {:>8}",
