@@ -39,6 +39,22 @@ use vmpool::{
     Allocation, Context, Event, GraphCapture, Pool, PoolAttribute, PoolProps, PoolStats, Stream,
 };
 
+/// A whole number of at least 1 the environment asked for.
+fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
+    name: &'static str,
+    value: String,
+    expected: &'static str,
+) -> Result<T, ConfigError> {
+    match value.trim().parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => Err(ConfigError::Other {
+            name,
+            value,
+            expected,
+        }),
+    }
+}
+
 /// Bytes the environment asked for: a number with an optional binary
 /// suffix (`K`, `M`, `G`, `T`, with or without `iB`), or `max`.
 fn parse_bytes(name: &str, value: &str) -> Result<u64, ConfigError> {
@@ -130,19 +146,10 @@ impl Config {
                 })
             }
         };
-        let host_devices = match lookup("VMPOOL_HOST_DEVICES") {
-            None => 1,
-            Some(v) => match v.trim().parse::<u32>() {
-                Ok(n) if n > 0 => n,
-                _ => {
-                    return Err(ConfigError::Other {
-                        name: "VMPOOL_HOST_DEVICES",
-                        value: v,
-                        expected: "a number of devices, at least 1",
-                    })
-                }
-            },
-        };
+        let host_devices = lookup("VMPOOL_HOST_DEVICES")
+            .map(|v| at_least_one("VMPOOL_HOST_DEVICES", v, "a number of devices, at least 1"))
+            .transpose()?
+            .unwrap_or(1);
         let timing = match lookup("VMPOOL_TIMING").as_deref().map(str::trim) {
             None | Some("0") => false,
             Some("1") => true,
@@ -158,19 +165,9 @@ impl Config {
             None => None,
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
         };
-        let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
-            None => None,
-            Some(v) => match v.trim().parse::<u64>() {
-                Ok(n) if n > 0 => Some(n),
-                _ => {
-                    return Err(ConfigError::Other {
-                        name: "VMPOOL_CHUNK_DIVISOR",
-                        value: v,
-                        expected: "a whole number, at least 1",
-                    })
-                }
-            },
-        };
+        let chunk_divisor = lookup("VMPOOL_CHUNK_DIVISOR")
+            .map(|v| at_least_one("VMPOOL_CHUNK_DIVISOR", v, "a whole number, at least 1"))
+            .transpose()?;
         Ok(Self {
             backend,
             release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
