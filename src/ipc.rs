@@ -191,18 +191,25 @@ struct Exported<B: Backend> {
 }
 
 impl<B: Backend> Exports<B> {
-    /// Whether no allocation is exported: then a free need not call
-    /// [`Exports::on_free`].
-    #[inline]
-    pub(crate) fn none(&self) -> bool {
-        self.live.load(Ordering::Acquire) == 0
+    /// What a free of `allocation` frees now: the allocation itself, or
+    /// `None` while another process holds a lease on it (the free is then
+    /// carried out when the last lease ends). Without exports, one atomic
+    /// load.
+    #[inline(always)]
+    pub(crate) fn on_free(
+        &self,
+        allocation: Allocation,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Option<Allocation> {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return Some(allocation);
+        }
+        self.on_free_exported(allocation, stream)
     }
 
-    /// Called by a free while some allocation is exported: hands the
-    /// allocation back to be freed now, or keeps it (returns `None`) while
-    /// another process holds a lease on it.
+    /// [`Exports::on_free`] while some allocation is exported.
     #[cold]
-    pub(crate) fn on_free(
+    fn on_free_exported(
         &self,
         allocation: Allocation,
         stream: Option<&Arc<StreamShared<B>>>,

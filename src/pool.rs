@@ -767,12 +767,8 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
-        let allocation = match self.0.exports.none() {
-            true => allocation,
-            false => match self.0.exports.on_free(allocation, Some(&stream.0)) {
-                Some(allocation) => allocation,
-                None => return Ok(()),
-            },
+        let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) else {
+            return Ok(());
         };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
         self.record_free(&allocation, stream.0.id);
@@ -912,12 +908,8 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
-        let allocation = match self.0.exports.none() {
-            true => allocation,
-            false => match self.0.exports.on_free(allocation, None) {
-                Some(allocation) => allocation,
-                None => return Ok(()),
-            },
+        let Some(allocation) = self.0.exports.on_free(allocation, None) else {
+            return Ok(());
         };
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.record_free(&allocation, 0);
@@ -1215,6 +1207,9 @@ impl<B: Backend> Drop for Shared<B> {
 impl<B: Backend> Inner<B> {
     /// Bytes of live allocations: `used` less the streams' credits
     /// (`PoolFrees::credit`: bytes their hot paths freed without this lock).
+    /// It reads the credits and leaves them: settling them here would send
+    /// the streams' next same-size allocations to the locked path, so that
+    /// reading a statistic changed what it measures.
     fn live_bytes(&self) -> u64 {
         let credit: u64 = self
             .streams
