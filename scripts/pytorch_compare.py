@@ -8,7 +8,8 @@ Runs each workload in a process of its own under each allocator:
     cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
     vmpool            libvmpool_c.so through CUDAPluggableAllocator
     vmpool@SIZE       the same with VMPOOL_CHUNK_SIZE=SIZE (e.g. vmpool@4MiB)
-    vmpool/N          the same with VMPOOL_CHUNK_DIVISOR=N (e.g. vmpool/4096)
+    vmpool/N          the same with VMPOOL_CHUNK_DIVISOR=N (e.g. vmpool/4096;
+                      vmpool/off: fixed VMPOOL_CHUNK_SIZE chunks)
     vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
                       compare two builds in one run (scripts/gpu-build.sh
                       bundles an older one with BASE_REV=REV)
@@ -346,8 +347,9 @@ def check_allocator(allocator):
         if not Path(allocator.split("=", 1)[1]).is_file():
             raise SystemExit(f"{allocator!r}: no library at that path")
     elif allocator.startswith("vmpool/"):
-        if not allocator.split("/", 1)[1].isdigit() or int(allocator.split("/", 1)[1]) < 1:
-            raise SystemExit(f"{allocator!r}: vmpool/N takes a whole number, at least 1")
+        n = allocator.split("/", 1)[1]
+        if n != "off" and (not n.isdigit() or int(n) < 1):
+            raise SystemExit(f"{allocator!r}: vmpool/N takes a whole number, at least 1, or off")
     elif allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
         raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
                          "vmpool/N or vmpool=PATH")

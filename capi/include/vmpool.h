@@ -11,8 +11,8 @@
  *   VMPOOL_CHUNK_SIZE         largest growth chunk (default 32MiB)
  *   VMPOOL_CHUNK_DIVISOR      growth chunks of at most the pool's reserved
  *                             bytes over this, within one granule and
- *                             VMPOOL_CHUNK_SIZE (default: none, every
- *                             growth uses VMPOOL_CHUNK_SIZE); e.g. 4096
+ *                             VMPOOL_CHUNK_SIZE (default 1024; off: every
+ *                             growth uses VMPOOL_CHUNK_SIZE)
  *   VMPOOL_LOG                log filter, e.g. info or vmpool=debug
  *                             (default warn; errors are always logged)
  *   VMPOOL_RECORD             path prefix: each pool writes its trace there

@@ -101,6 +101,15 @@ pub enum BackendChoice {
     Host,
 }
 
+/// The C layer's growth-chunk divisor unless `VMPOOL_CHUNK_DIVISOR` says
+/// otherwise. Unlike the Rust library, whose pools grow by whole 32 MiB
+/// chunks unless asked, the C layer scales chunks to the pool: under
+/// PyTorch the extra chunks' driver time overlaps the GPU's work, and a
+/// pool of a few GiB (ResNet-50 training, generation) keeps several
+/// times less memory stranded in chunks that hold a few live bytes
+/// (README.md, "PyTorch").
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 1024;
+
 /// The library's settings, from the environment (README.md, "PyTorch").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -113,7 +122,9 @@ pub struct Config {
     /// `VMPOOL_CHUNK_SIZE`: the largest growth chunk; default the pool's.
     pub chunk_size: Option<u64>,
     /// `VMPOOL_CHUNK_DIVISOR`: growth chunks of at most the pool's reserved
-    /// bytes over this (`PoolProps::chunk_divisor`); default none.
+    /// bytes over this (`PoolProps::chunk_divisor`); default
+    /// [`DEFAULT_CHUNK_DIVISOR`]; `off`: every growth by whole
+    /// `VMPOOL_CHUNK_SIZE` chunks, the library's own default.
     pub chunk_divisor: Option<u64>,
     /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
     /// backend's devices; default 1 of 4 GiB.
@@ -165,9 +176,15 @@ impl Config {
             None => None,
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
         };
-        let chunk_divisor = lookup("VMPOOL_CHUNK_DIVISOR")
-            .map(|v| at_least_one("VMPOOL_CHUNK_DIVISOR", v, "a whole number, at least 1"))
-            .transpose()?;
+        let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
+            None => Some(DEFAULT_CHUNK_DIVISOR),
+            Some(v) if v.trim() == "off" => None,
+            Some(v) => Some(at_least_one(
+                "VMPOOL_CHUNK_DIVISOR",
+                v,
+                "a whole number, at least 1, or off",
+            )?),
+        };
         Ok(Self {
             backend,
             release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
@@ -918,14 +935,16 @@ mod tests {
         assert_eq!(c.backend, BackendChoice::Cuda);
         assert_eq!(c.release_threshold, u64::MAX);
         assert_eq!(c.chunk_size, None);
-        assert_eq!(c.chunk_divisor, None);
+        assert_eq!(c.chunk_divisor, Some(DEFAULT_CHUNK_DIVISOR));
     }
 
     #[test]
     fn chunk_divisor() {
         let c = config(&[("VMPOOL_CHUNK_DIVISOR", " 4096 ")]).unwrap();
         assert_eq!(c.chunk_divisor, Some(4096));
-        for bad in ["", "0", "-1", "1/4096", "x"] {
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", "off")]).unwrap();
+        assert_eq!(c.chunk_divisor, None);
+        for bad in ["", "0", "-1", "1/4096", "x", "none"] {
             let err = config(&[("VMPOOL_CHUNK_DIVISOR", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_DIVISOR"), "{err}");
         }
