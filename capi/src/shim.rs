@@ -105,9 +105,9 @@ pub enum BackendChoice {
 /// otherwise. Unlike the Rust library, whose pools grow by whole 32 MiB
 /// chunks unless asked, the C layer scales chunks to the pool: under
 /// PyTorch the extra chunks' driver time overlaps the GPU's work, and a
-/// pool of a few GiB (ResNet-50 training, generation) keeps several
-/// times less memory stranded in chunks that hold a few live bytes
-/// (README.md, "PyTorch").
+/// pool of a few GiB keeps less memory stranded in chunks that hold a few
+/// live bytes (ResNet-50 training: 0.25-0.67 % of its peak against
+/// 0.72-1.58 %; README.md, "PyTorch").
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 1024;
 
 /// The library's settings, from the environment (README.md, "PyTorch").
