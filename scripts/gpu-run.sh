@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, what scripts/gpu-build.sh bundled, and writes one
 # log, $OUT/gpu-run.log (./gpu-run.log when OUT is unset), each program's
-# output under a header that says what ran, when, from which commit.
+# output under a header that says what ran, when, from which commit. Each
+# call starts its log afresh: to keep several calls' logs (a loop over
+# seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
 #   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [stats] [multi]
 #   (default: all but soak, torch, record-stream, graphs, limits, stats and multi;
@@ -36,6 +38,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 outdir=${OUT:-$PWD}
+mkdir -p "$outdir"
 log=$outdir/gpu-run.log
 : >"$log"
 status=0
