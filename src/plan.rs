@@ -61,7 +61,8 @@ pub struct Inputs<'a> {
     pub gaps: &'a [(u64, u64)],
     /// Sizes of the spare chunks.
     pub spares: &'a [u64],
-    /// Free units (no live byte): (address, size).
+    /// Free units (no live byte): (address, size), in the order to move
+    /// them where sizes tie.
     pub units: &'a [(u64, u64)],
     pub granule: u64,
     /// Largest chunk a growth creates.
@@ -122,8 +123,8 @@ pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
 /// free them), then free units moved from elsewhere, then new ones of at
 /// most `chunk_size` (a granule multiple) each. Within each kind, the
 /// smallest that covers what is left, else the largest, so few chunks move
-/// and little is over-covered. Nothing is created while unused memory would
-/// do.
+/// and little is over-covered; among equal sizes, the first in the order
+/// given. Nothing is created while unused memory would do.
 pub fn plan_sources(
     need: u64,
     spares: &[u64],
@@ -137,7 +138,7 @@ pub fn plan_sources(
         let Some(pick) = best_cover(&spare_left, left) else {
             break;
         };
-        let (index, size) = spare_left.swap_remove(pick);
+        let (index, size) = spare_left.remove(pick);
         plan.push(Source::Spare { index, size });
         left = left.saturating_sub(size);
     }
@@ -146,7 +147,7 @@ pub fn plan_sources(
         let Some(pick) = best_cover(&unit_left, left) else {
             break;
         };
-        let (va, size) = unit_left.swap_remove(pick);
+        let (va, size) = unit_left.remove(pick);
         plan.push(Source::Unit { va, size });
         left = left.saturating_sub(size);
     }
@@ -158,19 +159,20 @@ pub fn plan_sources(
     plan
 }
 
-/// Index of the smallest item of at least `left` bytes, else of the largest.
-fn best_cover<K: Copy + Ord>(items: &[(K, u64)], left: u64) -> Option<usize> {
+/// Index of the smallest item of at least `left` bytes, else of the
+/// largest; the first such.
+fn best_cover<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
     let covering = items
         .iter()
         .enumerate()
         .filter(|(_, &(_, size))| size >= left)
-        .min_by_key(|(_, &(key, size))| (size, key));
+        .min_by_key(|&(i, &(_, size))| (size, i));
     covering
         .or_else(|| {
             items
                 .iter()
                 .enumerate()
-                .max_by_key(|(_, &(key, size))| (size, std::cmp::Reverse(key)))
+                .max_by_key(|&(i, &(_, size))| (size, std::cmp::Reverse(i)))
         })
         .map(|(i, _)| i)
 }

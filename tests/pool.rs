@@ -169,6 +169,63 @@ pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
     fixed.free(a).unwrap();
 }
 
+/// Which free units growth moves first: by address with fixed chunks; with
+/// chunks scaled to the pool, first those of free blocks that start and end
+/// on unit boundaries, which leaves no part of a unit beside live bytes cut
+/// off from its free block.
+pub fn growth_moves_whole_free_blocks_first<B: Backend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    for (chunk_divisor, moved, kept) in [(None, [3, 4], [7]), (Some(1024), [6, 7], [4])] {
+        let pool = ctx
+            .create_pool(&PoolProps {
+                va_size: Some(4 << 30),
+                chunk_size: Some(g),
+                chunk_divisor,
+                ..PoolProps::new(DEV)
+            })
+            .unwrap();
+        // One unit a granule, in units from p's start:
+        // [p 0-2.5 | q 2.5-3 | r 3-5 | s 5-6 | t 6-8 | u 8-9]
+        let p = pool.allocate(5 * g / 2).unwrap();
+        let q = pool.allocate(g / 2).unwrap();
+        let r = pool.allocate(2 * g).unwrap();
+        let s = pool.allocate(g).unwrap();
+        let t = pool.allocate(2 * g).unwrap();
+        let u = pool.allocate(g).unwrap();
+        let at = |i: u64| p.ptr().0 + i * g;
+        assert_eq!(
+            [q.ptr().0, r.ptr().0, s.ptr().0, t.ptr().0, u.ptr().0],
+            [at(0) + 5 * g / 2, at(3), at(5), at(6), at(8)]
+        );
+        // Free blocks: [2.5, 5), beside p's last unit, and [6, 8), whole
+        // units at both ends. Nothing free holds three granules, so the
+        // request below moves three of the four free units.
+        pool.free(q).unwrap();
+        pool.free(r).unwrap();
+        pool.free(t).unwrap();
+        let before = pool.stats();
+        let v = pool.allocate(5 * g / 2 + 256).unwrap();
+        let after = pool.stats();
+        assert_eq!(after.chunks_created, before.chunks_created);
+        assert_eq!(after.remaps - before.remaps, 3);
+        let mapped: Vec<u64> = pool.snapshot().units.iter().map(|u| u.va).collect();
+        for i in moved {
+            assert!(
+                !mapped.contains(&at(i)),
+                "{chunk_divisor:?}: unit {i} did not move"
+            );
+        }
+        for i in kept {
+            assert!(mapped.contains(&at(i)), "{chunk_divisor:?}: unit {i} moved");
+        }
+        pool.audit().unwrap();
+        for a in [p, s, u, v] {
+            pool.free(a).unwrap();
+        }
+    }
+}
+
 pub fn small_allocations_are_packed<B: Backend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
@@ -384,6 +441,7 @@ suites!(
     more_than_half_the_device,
     invalid_requests,
     growth_chunks_scale_with_the_pool,
+    growth_moves_whole_free_blocks_first,
     small_allocations_are_packed,
     checkerboard_is_served_by_remapping,
     trim_returns_every_chunk,
