@@ -25,6 +25,9 @@ fn setup() {
         std::env::set_var("VMPOOL_HOST_MEMORY", "1GiB");
         std::env::set_var("VMPOOL_RELEASE_THRESHOLD", "0");
         std::env::set_var("VMPOOL_TIMING", "1");
+        // The defaults for the rest, whatever the caller's environment.
+        std::env::remove_var("VMPOOL_CHUNK_SIZE");
+        std::env::remove_var("VMPOOL_CHUNK_DIVISOR");
     });
     let backend = backend_name(vmpool_backend());
     assert_eq!(backend, "host");
@@ -72,6 +75,10 @@ fn round_trip_and_figures() {
     assert_eq!(s.used_bytes, live);
     assert!(s.reserved_bytes >= live);
     assert_eq!(s.allocations, sizes.len() as u64);
+    // Growth chunks scale with the pool (VMPOOL_CHUNK_DIVISOR's default):
+    // one 2 MiB granule each while it holds under 2 GiB, so the 40 MiB
+    // allocation alone takes 20 (fixed 32 MiB chunks would take 2).
+    assert!(s.chunks_created >= 20, "{} chunks", s.chunks_created);
 
     for (&p, &size) in ptrs.iter().zip(&sizes) {
         vmpool_free(p, size as isize, d, stream(1));
