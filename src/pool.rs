@@ -1950,7 +1950,7 @@ impl<B: Backend> Inner<B> {
             .iter()
             .map(|&(va, len, block)| {
                 let partial = whole_first && {
-                    let (start, size) = self.heap_of_ref(va).block(block);
+                    let (start, size) = self.arenas[self.arena_of(va)].heap.block(block);
                     !(unit_edge(start) && unit_edge(start + size))
                 };
                 (partial, va, len)
@@ -1985,14 +1985,14 @@ impl<B: Backend> Inner<B> {
         found
     }
 
-    fn heap_of_ref(&self, va: u64) -> &Heap {
-        let small = va < self.arenas[0].end;
-        &self.arenas[usize::from(!small)].heap
+    /// The arena `va` lies in: 0 for small allocations, 1 for large.
+    fn arena_of(&self, va: u64) -> usize {
+        usize::from(va >= self.arenas[0].end)
     }
 
     fn heap_of(&mut self, va: u64) -> &mut Heap {
-        let small = va < self.arenas[0].end;
-        &mut self.arenas[usize::from(!small)].heap
+        let arena = self.arena_of(va);
+        &mut self.arenas[arena].heap
     }
 
     /// Takes free units (as [`Inner::free_units`] lists them) out of the
