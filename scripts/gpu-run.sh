@@ -33,7 +33,7 @@
 # replay: every bundled trace through vmpool-replay on the CUDA backend, with
 # CUDA's pool, plain cuMemAlloc, and vmpool with each setting in
 # REPLAY_VMPOOL (';'-separated vmpool-replay options, e.g.
-# "--chunk-divisor 0;--chunk-size 2097152"; default: one run at the
+# "--chunk-divisor 1024;--chunk-size 2097152"; default: one run at the
 # defaults), synchronous and stream-ordered.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
