@@ -5,7 +5,8 @@
 //! pool's chunk size is chosen from; what giving access to and unmapping a
 //! run of adjacent chunks costs in one call; and whether each of those steps waits
 //! for work queued on the device; and whether a move's unmap, left to a
-//! helper thread, leaves the mapping thread's path. Runs on the GPU when
+//! helper thread, leaves the mapping thread's path; and whether growth
+//! spreads over threads. Runs on the GPU when
 //! one is present, else on the host backend, and says which.
 //!
 //!     cargo run --release --example driver_tour [-- --backend host|cuda]
@@ -118,7 +119,8 @@ fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
     chunk_costs(b, &range)?;
     runs_of_chunks(b, &range)?;
     behind_queued_work(b, &range)?;
-    unmap_on_another_thread(b, &range)
+    unmap_on_another_thread(b, &range)?;
+    growth_on_threads(b, &range)
 }
 
 /// What a run of adjacent 2 MiB chunks costs to give access to and to
@@ -343,6 +345,70 @@ fn chunk_costs<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()
         }
         let [create, map, access, unmap, release, moved] = t.map(median);
         println!("{:>7} MiB {create:>8.1} {map:>8.1} {access:>11.1} {unmap:>8.1} {release:>8.1} {moved:>8.1}", mib);
+    }
+    Ok(())
+}
+
+/// Whether growth can spread over threads: 256 chunks of 4 MiB created,
+/// mapped side by side and given access, by 1, 2, 4 and 8 threads each
+/// taking an equal share; then unmapped and released the same way. If the
+/// driver serialises these calls the time per chunk stays the same
+/// whatever the thread count; if it does not, a growth of many chunks
+/// could take a fraction of its time.
+fn growth_on_threads<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+    const CHUNKS: usize = 256;
+    const SIZE: usize = 4 << 20;
+    const ROUNDS: usize = 5;
+    let rw = [AccessDesc::read_write(DEV)];
+    println!("\n{CHUNKS} chunks of {} MiB, median of {ROUNDS} (us a chunk, wall time over the chunks): growth (create + map + set access) and teardown (unmap + release) split over threads", SIZE >> 20);
+    println!("{:>8} {:>10} {:>10}", "threads", "growth", "teardown");
+    for threads in [1usize, 2, 4, 8] {
+        let mut grow = Vec::with_capacity(ROUNDS);
+        let mut tear = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let share = CHUNKS / threads;
+            let start = Instant::now();
+            let mapped = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|t| {
+                        s.spawn(move || -> Result<Vec<Mapping<B>>> {
+                            (t * share..(t + 1) * share)
+                                .map(|i| {
+                                    let chunk = Chunk::new(b, DEV, SIZE)?;
+                                    let m = Mapping::new(range, (6 << 37) + i * SIZE, &chunk)?;
+                                    m.set_access(&rw)?;
+                                    Ok(m)
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a growth thread panicked"))
+                    .collect::<Result<Vec<_>>>()
+            })?;
+            grow.push(start.elapsed().as_secs_f64() * 1e6 / CHUNKS as f64);
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                let handles: Vec<_> = mapped
+                    .into_iter()
+                    .map(|ms| {
+                        s.spawn(move || -> Result<()> {
+                            for m in ms {
+                                drop(m.unmap().map_err(|(e, _)| anyhow::Error::from(e))?);
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .try_for_each(|h| h.join().expect("a teardown thread panicked"))
+            })?;
+            tear.push(start.elapsed().as_secs_f64() * 1e6 / CHUNKS as f64);
+        }
+        println!("{threads:>8} {:>10.1} {:>10.1}", median(grow), median(tear));
     }
     Ok(())
 }
