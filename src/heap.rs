@@ -245,12 +245,6 @@ impl Heap {
         }
     }
 
-    /// The range (address, size) of block `id`.
-    pub fn block(&self, id: BlockId) -> (u64, u64) {
-        let b = &self.blocks[id.0 as usize];
-        (b.addr, b.size)
-    }
-
     /// The largest free block's size (0 when there is none).
     pub fn largest_free(&self) -> u64 {
         if self.fl_bitmap == 0 {

@@ -86,6 +86,7 @@ pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
                 (request - size).next_multiple_of(inputs.granule),
             )
         })
+        .filter(|&(_, _, room, need)| need <= room)
         .collect();
     tails.sort_by_key(|t| t.3);
     let extend = tails.into_iter().map(|(start, size, room, need)| {

@@ -1911,7 +1911,7 @@ impl<B: Backend> Inner<B> {
         } else {
             Vec::new()
         };
-        let units = self.units_in_moving_order(free);
+        let units: Vec<(u64, u64)> = free.iter().map(|&(va, len, _)| (va, len)).collect();
         let inputs = plan::Inputs {
             tails: &tails,
             gaps: &gaps,
@@ -1926,49 +1926,41 @@ impl<B: Backend> Inner<B> {
         })
     }
 
-    /// `free` as (address, size), in the order growth should move them:
-    /// by address, except that a pool whose chunks scale with it
-    /// ([`PoolProps::chunk_divisor`]) moves first the units of free blocks
-    /// that start and end on unit boundaries. Moving a unit out of a block
-    /// that ends part way into a unit holding live bytes shrinks the free
-    /// space beside that partial unit, until nothing fits there and it is
-    /// stranded; a block with whole units at both ends leaves none. (With
-    /// fixed 32 MiB chunks the same order was measured neutral over the
-    /// traces, and it takes gpt2_train's first pass from 1.0092 to
-    /// 1.0193: docs/RESULTS.md.)
-    fn units_in_moving_order(&self, free: &[FreeUnit]) -> Vec<(u64, u64)> {
-        let whole_first = self.arenas[1].chunk_divisor.is_some();
-        let unit_edge = |at: u64| {
-            self.units.contains_key(&at)
-                || self
-                    .units
-                    .range(..at)
-                    .next_back()
-                    .is_some_and(|(&va, m)| va + m.size() as u64 == at)
-        };
-        let mut ranked: Vec<(bool, u64, u64)> = free
-            .iter()
-            .map(|&(va, len, block)| {
-                let partial = whole_first && {
-                    let (start, size) = self.arenas[self.arena_of(va)].heap.block(block);
-                    !(unit_edge(start) && unit_edge(start + size))
-                };
-                (partial, va, len)
-            })
-            .collect();
-        ranked.sort_unstable();
-        ranked.into_iter().map(|(_, va, len)| (va, len)).collect()
-    }
-
     /// Units with no live byte, in both arenas, that can move or go: no
     /// stream may still touch them (no guard on them), except `mover`, for
     /// which a unit under its own guards moves and leaves an [`Alias`]
     /// behind; and their chunk has no other mapping.
+    ///
+    /// In the order growth should move them: by address, except that a
+    /// pool whose chunks scale with it ([`PoolProps::chunk_divisor`])
+    /// moves first the units of free blocks that start and end on unit
+    /// boundaries. Moving a unit out of a block that ends part way into a
+    /// unit holding live bytes shrinks the free space beside that partial
+    /// unit, until nothing fits there and it is stranded; a block with
+    /// whole units at both ends leaves none. (With fixed 32 MiB chunks the
+    /// same order was measured neutral over the traces, and it takes
+    /// gpt2_train's first pass from 1.0092 to 1.0193: docs/RESULTS.md.)
     fn free_units(&self, mover: Option<u64>) -> Vec<FreeUnit> {
-        let mut found = Vec::new();
+        let whole_first = self.arenas[1].chunk_divisor.is_some();
+        let mut found: Vec<(bool, FreeUnit)> = Vec::new();
         for arena in &self.arenas {
             arena.heap.for_each_free(|addr, len, block| {
-                for (&va, m) in self.units.range(addr..addr + len) {
+                // Units are whole granules: the small arena's chunk size.
+                if len < self.arenas[0].chunk_size {
+                    return;
+                }
+                let inside = || self.units.range(addr..addr + len);
+                // A block lies in one mapped region, which its units tile:
+                // it starts on a unit boundary when a unit starts there, and
+                // ends on one when the last unit starting in it ends there.
+                let partial = whole_first && {
+                    let mut ends = inside();
+                    let first = ends.next();
+                    let last = ends.next_back().or(first);
+                    !(first.is_some_and(|(&va, _)| va == addr)
+                        && last.is_some_and(|(&va, m)| va + m.size() as u64 == addr + len))
+                };
+                for (&va, m) in inside() {
                     let end = va + m.size() as u64;
                     let movable = || {
                         Arc::strong_count(m.chunk()) == 1
@@ -1977,12 +1969,13 @@ impl<B: Backend> Inner<B> {
                                 .all(|(_, g)| Some(g.stream) == mover)
                     };
                     if end <= addr + len && movable() {
-                        found.push((va, m.size() as u64, block));
+                        found.push((partial, (va, m.size() as u64, block)));
                     }
                 }
             });
         }
-        found
+        found.sort_unstable_by_key(|&(partial, (va, _, _))| (partial, va));
+        found.into_iter().map(|(_, unit)| unit).collect()
     }
 
     /// The arena `va` lies in: 0 for small allocations, 1 for large.
