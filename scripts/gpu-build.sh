@@ -6,6 +6,17 @@
 #   device run, carry ["gpu-bundle"], command: bash gpu-bundle/gpu-run.sh
 #   (on nvidia-h200-x2: bash gpu-bundle/gpu-run.sh multi)
 #
+# The device tool carries at most 64 MiB with the working tree, and the
+# whole bundle with the tree is about that. Carry only the parts the jobs
+# need, always with gpu-bundle/gpu-run.sh and gpu-bundle/BUILD:
+#   tests:                 gpu-bundle/tests
+#   multi:                 gpu-bundle/tests, gpu-bundle/examples
+#   examples:              gpu-bundle/examples
+#   bench, soak:           gpu-bundle/bin
+#   replay, c-calls:       gpu-bundle/bin, gpu-bundle/traces
+#   torch and the other PyTorch checks: gpu-bundle/torch
+#   e.g. carry ["gpu-bundle/gpu-run.sh", "gpu-bundle/BUILD", "gpu-bundle/tests", "gpu-bundle/torch"]
+#
 # BASE_REV=REV scripts/gpu-build.sh also bundles the C library as of REV,
 # as torch/libvmpool_c-<REV>.so, to compare two builds in one PyTorch run:
 #   TORCH_ARGS="--allocators vmpool,vmpool=gpu-bundle/torch/libvmpool_c-<REV>.so ..."
@@ -36,6 +47,8 @@ for line in sys.stdin:
     # capi/tests/python.rs checks the Python helper on the host backend,
     # with the library of this machine's build; nothing for the GPU.
     [ "$name" = python ] && continue
+    # The binaries' own harnesses hold no tests.
+    "$exe" --list 2>/dev/null | grep -q '^0 tests' && continue
     cp "$exe" "$bundle/tests/$name"
 done
 
@@ -49,6 +62,8 @@ for src in src/bin/*.rs; do
     name=$(basename "$src" .rs)
     cp "target/release/$name" "$bundle/bin/$name"
 done
+# The C layer's call cost (capi/examples/c_calls.rs), for the c-calls job.
+cp target/release/examples/c_calls "$bundle/bin/c_calls"
 
 # The C library and the PyTorch scripts, for the torch job.
 cargo build --release -p vmpool-c

@@ -5,8 +5,8 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [stats] [multi]
-#   (default: all but soak, torch, record-stream, graphs, limits, stats and multi;
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [stats] [c-calls] [multi]
+#   (default: all but soak, torch, record-stream, graphs, limits, stats, c-calls and multi;
 #   soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
@@ -23,6 +23,10 @@
 #
 # stats: scripts/torch_stats.py, whether PyTorch's memory statistics
 # (torch.cuda.memory_allocated() and the rest) report vmpool's figures.
+#
+# c-calls: capi/examples/c_calls.rs on the generation trace, what a call
+# through vmpool_alloc / vmpool_free costs, without and with VMPOOL_TIMING
+# (which pytorch_compare.py turns on for every vmpool run).
 #
 # multi: on a machine with two GPUs (nvidia-h200-x2): peer access and
 # per-device pools (tests/peer_access with its two-GPU cases, which are
@@ -67,6 +71,26 @@ run() {
 
 jobs=${*:-tests examples bench replay}
 for job in $jobs; do
+    # The parts of the bundle each job needs (scripts/gpu-build.sh says
+    # what to carry).
+    case $job in
+    tests) parts=tests ;;
+    multi) parts="tests examples" ;;
+    examples) parts=examples ;;
+    bench | soak) parts=bin ;;
+    replay | c-calls) parts="bin traces" ;;
+    torch | record-stream | graphs | limits | stats) parts=torch ;;
+    *) parts= ;;
+    esac
+    missing=
+    for part in $parts; do
+        [ -d "$here/$part" ] || missing="$missing gpu-bundle/$part"
+    done
+    if [ -n "$missing" ]; then
+        echo "job $job: not carried:$missing" | tee -a "$log"
+        status=1
+        continue
+    fi
     case $job in
     tests)
         # One test at a time: with four at once, a case that checks an event
@@ -111,6 +135,10 @@ for job in $jobs; do
         ;;
     stats)
         run "pytorch stats" python3 "$here/torch/torch_stats.py"
+        ;;
+    c-calls)
+        run "c_calls" env VMPOOL_TIMING=0 "$here/bin/c_calls" "$here/traces/gpt2_generate.trace.gz"
+        run "c_calls, timed" env VMPOOL_TIMING=1 "$here/bin/c_calls" "$here/traces/gpt2_generate.trace.gz"
         ;;
     replay)
         for trace in "$here"/traces/*; do

@@ -1,0 +1,105 @@
+//! What a call through the C layer costs: replays an allocation trace
+//! through `vmpool_alloc` / `vmpool_free` as PyTorch calls them (on the
+//! default stream), several rounds on the same pool, and prints the
+//! nanoseconds a call of each round. The first round grows the pool; the
+//! later ones reuse it, so they show the calls' own cost. The backend is
+//! the one `VMPOOL_BACKEND` names (default `cuda`); with `VMPOOL_TIMING=1`
+//! every call is also timed, and the difference is what that costs.
+//!
+//!     VMPOOL_BACKEND=host cargo run --release -p vmpool-c --example c_calls -- traces/gpt2_generate.trace.gz
+//!     VMPOOL_BACKEND=host VMPOOL_TIMING=1 cargo run --release -p vmpool-c --example c_calls -- traces/gpt2_generate.trace.gz
+//!
+//! The same trace through the Rust API, for comparison:
+//! `vmpool-replay --stream-ordered --passes 3 TRACE`.
+
+use std::ffi::{c_void, CStr};
+use std::fs::File;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use vmpool::trace::{Trace, TraceOp};
+use vmpool_c::{vmpool_alloc, vmpool_backend, vmpool_free, vmpool_stats};
+
+#[derive(Parser)]
+struct Args {
+    /// An allocation trace (the format of ../shared/traces, gzip or plain).
+    trace: PathBuf,
+    /// Rounds over the trace on the same pool.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+const DEVICE: i32 = 0;
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let trace = Trace::read(
+        File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,
+    )
+    .with_context(|| format!("reading {}", args.trace.display()))?;
+    // The library returns a pointer to one of its three static names;
+    // matching the pointer reads it without `unsafe`.
+    let backend = [c"cuda", c"host", c"none"]
+        .into_iter()
+        .find(|name| name.as_ptr() == vmpool_backend())
+        .map_or("unknown", |name: &CStr| name.to_str().unwrap_or("unknown"));
+    if backend == "none" {
+        bail!("vmpool has no backend (VMPOOL_BACKEND unusable, or no GPU and not `host`): see its log");
+    }
+    let stream: *mut c_void = std::ptr::null_mut();
+    let mut live: Vec<(*mut c_void, isize)> = vec![(std::ptr::null_mut(), 0); trace.slots];
+    println!(
+        "{} operations of {} through vmpool_alloc / vmpool_free, {backend} backend",
+        trace.ops.len(),
+        args.trace.display()
+    );
+    for round in 1..=args.rounds {
+        let start = Instant::now();
+        for op in &trace.ops {
+            match *op {
+                TraceOp::Alloc { slot, size, .. } => {
+                    let size = isize::try_from(size).context("allocation size")?;
+                    let ptr = vmpool_alloc(size, DEVICE, stream);
+                    if ptr.is_null() {
+                        bail!(
+                            "vmpool_alloc({size}) returned NULL in round {round}: see vmpool's log"
+                        );
+                    }
+                    live[slot] = (ptr, size);
+                }
+                TraceOp::Free { slot, .. } => {
+                    let (ptr, size) = std::mem::replace(&mut live[slot], (std::ptr::null_mut(), 0));
+                    vmpool_free(ptr, size, DEVICE, stream);
+                }
+            }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / trace.ops.len() as f64;
+        println!("  round {round}: {ns:7.1} ns a call");
+        // What the trace left live goes, so that the next round starts alike.
+        for (ptr, size) in live.iter_mut().filter(|(ptr, _)| !ptr.is_null()) {
+            vmpool_free(*ptr, *size, DEVICE, stream);
+            *ptr = std::ptr::null_mut();
+        }
+    }
+    let stats = vmpool_stats(DEVICE);
+    if stats.valid == 0 {
+        bail!("vmpool_stats({DEVICE}) found no pool");
+    }
+    if stats.timed_calls > 0 {
+        println!(
+            "  timed by the library (VMPOOL_TIMING=1): {:.1} ns a call inside it, over {} calls",
+            stats.call_nanos as f64 / stats.timed_calls as f64,
+            stats.timed_calls
+        );
+    }
+    println!(
+        "  pool: {} grows, {} chunks created, {} remaps; {} refused frees",
+        stats.grows, stats.chunks_created, stats.remaps, stats.refused_frees
+    );
+    if stats.refused_frees > 0 {
+        bail!("vmpool refused {} frees", stats.refused_frees);
+    }
+    Ok(())
+}
