@@ -12,7 +12,7 @@
 //! The same trace through the Rust API, for comparison:
 //! `vmpool-replay --stream-ordered --passes 3 TRACE`.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::fs::File;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use vmpool::trace::{Trace, TraceOp};
-use vmpool_c::{vmpool_alloc, vmpool_backend, vmpool_free, vmpool_stats};
+use vmpool_c::{vmpool_alloc, vmpool_free, vmpool_stats};
 
 #[derive(Parser)]
 struct Args {
@@ -39,12 +39,7 @@ fn main() -> Result<()> {
         File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,
     )
     .with_context(|| format!("reading {}", args.trace.display()))?;
-    // The library returns a pointer to one of its three static names;
-    // matching the pointer reads it without `unsafe`.
-    let backend = [c"cuda", c"host", c"none"]
-        .into_iter()
-        .find(|name| name.as_ptr() == vmpool_backend())
-        .map_or("unknown", |name: &CStr| name.to_str().unwrap_or("unknown"));
+    let backend = vmpool_c::backend().to_str().context("the backend's name")?;
     if backend == "none" {
         bail!("vmpool has no backend (VMPOOL_BACKEND unusable, or no GPU and not `host`): see its log");
     }

@@ -376,12 +376,17 @@ pub extern "C" fn vmpool_flush_traces() -> c_int {
 
 /// The backend in use, so a user sees what was measured: "cuda", "host",
 /// or "none" when the library could not start (the reason is logged).
-#[unsafe(no_mangle)]
-pub extern "C" fn vmpool_backend() -> *const std::ffi::c_char {
-    let name: &'static std::ffi::CStr = match global() {
+/// [`vmpool_backend`] for C callers.
+pub fn backend() -> &'static std::ffi::CStr {
+    match global() {
         Some(Global::Cuda(_)) => c"cuda",
         Some(Global::Host(_)) => c"host",
         None => c"none",
-    };
-    name.as_ptr()
+    }
+}
+
+/// [`backend`]'s name, a static C string.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_backend() -> *const std::ffi::c_char {
+    backend().as_ptr()
 }
