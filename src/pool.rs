@@ -84,15 +84,15 @@ pub struct PoolProps {
     /// arena creates chunks of at most the pool's reserved bytes over this
     /// divisor (at least one granule, at most `chunk_size`), so that the
     /// free memory a partly used chunk can strand stays a small share of
-    /// the pool, at the price of many more chunks, each paid for in driver
-    /// time (about 30 us to create and 40 us to move on the H200, whatever
-    /// its size). `None` (the default): every growth uses `chunk_size`.
-    /// With it, growth also moves first the free units whose free block
-    /// ends on unit boundaries at both ends, so that moving them leaves no
-    /// part of a unit beside live bytes cut off from the rest of its free
-    /// block. docs/RESULTS.md has both sides measured; 1024 (the C layer's
-    /// default) to 4096 suit pools whose footprint matters more than their
-    /// growth time.
+    /// the pool, at the price of more chunks while the pool is small, each
+    /// paid for in driver time (about 30 us to create and 40 us to move on
+    /// the H200, whatever its size). With it, growth also moves first the
+    /// free units whose free block ends on unit boundaries at both ends, so
+    /// that moving them leaves no part of a unit beside live bytes cut off
+    /// from the rest of its free block. Default
+    /// [`DEFAULT_CHUNK_DIVISOR`]; `None`: every growth uses `chunk_size`,
+    /// fewer driver calls for a larger footprint (docs/RESULTS.md has both
+    /// sides measured).
     pub chunk_divisor: Option<u64>,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
@@ -129,7 +129,7 @@ impl PoolProps {
             device,
             max_size: None,
             chunk_size: None,
-            chunk_divisor: None,
+            chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
             va_size: None,
             defragment: true,
             record: None,
@@ -176,14 +176,24 @@ impl Recorder {
     }
 }
 
-/// The default largest growth chunk: 32 MiB, a measured choice. Each chunk
-/// costs the H200 a fixed ~30 us to create, map and give access to, and
-/// ~40 us to move, whatever its size, so small chunks make growth slow;
+/// The largest growth chunk by default: 32 MiB, a measured choice. Each
+/// chunk costs the H200 a fixed ~30 us to create, map and give access to,
+/// and ~40 us to move, whatever its size, so small chunks make growth slow;
 /// physical memory moves only in whole chunks, so large ones strand free
-/// memory. On the shared traces, 32 MiB keeps the footprint of 2 MiB
-/// chunks (1.0092 / 1.0036 against 1.0092 / 1.0023) and replays 4 to 5
-/// times faster on the GPU (docs/RESULTS.md).
+/// memory. Pools of 64 GiB and more grow by it; smaller ones by smaller
+/// chunks ([`DEFAULT_CHUNK_DIVISOR`]). Growing by it alone keeps the
+/// footprint of 2 MiB chunks on the shared traces (1.0092 / 1.0036) and
+/// replays 4 to 5 times faster on the GPU, but not on traces recorded
+/// under PyTorch (docs/RESULTS.md).
 pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
+
+/// The default [`PoolProps::chunk_divisor`]: growth chunks of at most a
+/// 2048th of the pool, so 2 MiB granules until the pool holds 4 GiB. It
+/// puts every real trace under 1.01 (the ResNet-50 traces recorded under
+/// PyTorch reach 1.0103-1.0158 with 32 MiB chunks), and makes a single
+/// replay of a trace 3-9 times slower on the H200 than 32 MiB chunks, all
+/// of it growth (docs/RESULTS.md, "Real traces miss it too").
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -245,9 +245,18 @@ impl World {
             va_size: Some(VA),
             ..PoolProps::new(DEV)
         };
+        // One pool grows by whole chunks, the other by chunks scaled to it.
         let pools = [
-            ctx.create_pool(&props).unwrap(),
-            ctx.create_pool(&props).unwrap(),
+            ctx.create_pool(&PoolProps {
+                chunk_divisor: None,
+                ..props.clone()
+            })
+            .unwrap(),
+            ctx.create_pool(&PoolProps {
+                chunk_divisor: Some(64),
+                ..props
+            })
+            .unwrap(),
         ];
         ctx.set_current_pool(&pools[0]).unwrap();
         let streams = (0..STREAMS)

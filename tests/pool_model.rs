@@ -46,6 +46,10 @@ proptest! {
     fn random_sequences_keep_every_invariant(
         ops in proptest::collection::vec(op(), 1..80),
         chunk_granules in 1..6u64,
+        // Whole chunks, or chunks scaled to the pool: with this device's
+        // 96 MiB, a 2048th is always one granule, a quarter is up to the
+        // largest chunk.
+        chunk_divisor in proptest::option::of(prop_oneof![Just(4u64), Just(2048)]),
     ) {
         let host = Host::new(HostConfig {
             devices: 1,
@@ -60,6 +64,7 @@ proptest! {
             let pool = ctx
                 .create_pool(&PoolProps {
                     chunk_size: Some(chunk_granules * 2 * MIB),
+                    chunk_divisor,
                     ..PoolProps::new(DEV)
                 })
                 .unwrap();

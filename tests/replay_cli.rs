@@ -59,3 +59,44 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
     assert!(!zero.status.success());
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Growth chunks scale with the pool by default (2 MiB granules while it is
+/// small), `--chunk-divisor off` grows by whole 32 MiB chunks, and a
+/// divisor of 0 is refused.
+#[test]
+fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
+    let path = std::env::temp_dir().join(format!("vmpool-divisor-{}.trace", std::process::id()));
+    // 40 MB on an empty pool: 20 granules, or two 32 MiB chunks.
+    std::fs::write(&path, "a 1 40000000 1\nf 1 1\n").unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
+            .arg("--json")
+            .args(args)
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let chunks = |args: &[&str]| {
+        let out = run(args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["chunks_created"]
+            .as_u64()
+            .unwrap()
+    };
+    let default = vmpool::DEFAULT_CHUNK_DIVISOR.to_string();
+    assert_eq!(chunks(&[]), 20);
+    assert_eq!(chunks(&["--chunk-divisor", &default]), 20);
+    assert_eq!(chunks(&["--chunk-divisor", "off"]), 2);
+    let zero = run(&["--chunk-divisor", "0"]);
+    assert!(!zero.status.success());
+    assert!(
+        String::from_utf8_lossy(&zero.stderr).contains("neither a positive whole number nor off"),
+        "{}",
+        String::from_utf8_lossy(&zero.stderr)
+    );
+    std::fs::remove_file(&path).unwrap();
+}

@@ -41,6 +41,9 @@ fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Poo
     let pool = ctx
         .create_pool(&PoolProps {
             va_size: Some(8 << 30),
+            // Growth by one whole chunk, so that the chunk counts below
+            // count growths.
+            chunk_divisor: None,
             ..PoolProps::new(DEV)
         })
         .unwrap();

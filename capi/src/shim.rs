@@ -102,12 +102,11 @@ pub enum BackendChoice {
 }
 
 /// The C layer's growth-chunk divisor unless `VMPOOL_CHUNK_DIVISOR` says
-/// otherwise. Unlike the Rust library, whose pools grow by whole 32 MiB
-/// chunks unless asked, the C layer scales chunks to the pool: under
-/// PyTorch the extra chunks' driver time overlaps the GPU's work, and a
-/// pool of a few GiB keeps less memory stranded in chunks that hold a few
-/// live bytes (ResNet-50 training: 0.25-0.67 % of its peak against
-/// 0.72-1.58 %; README.md, "PyTorch").
+/// otherwise: half the library's ([`vmpool::DEFAULT_CHUNK_DIVISOR`]), so
+/// chunks twice as large. Under PyTorch each chunk's driver calls cost
+/// step time when the pool grows (about 60 us a new chunk behind queued
+/// work), and 1024 already keeps the footprint under 1.02 on the three
+/// workloads (generation 1.0179 at both divisors); README.md, "PyTorch".
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 1024;
 
 /// The library's settings, from the environment (README.md, "PyTorch").
@@ -124,7 +123,7 @@ pub struct Config {
     /// `VMPOOL_CHUNK_DIVISOR`: growth chunks of at most the pool's reserved
     /// bytes over this (`PoolProps::chunk_divisor`); default
     /// [`DEFAULT_CHUNK_DIVISOR`]; `off`: every growth by whole
-    /// `VMPOOL_CHUNK_SIZE` chunks, the library's own default.
+    /// `VMPOOL_CHUNK_SIZE` chunks.
     pub chunk_divisor: Option<u64>,
     /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
     /// backend's devices; default 1 of 4 GiB.

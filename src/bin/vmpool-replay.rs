@@ -1,7 +1,7 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
 //!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc]
-//!                   [--chunk-size BYTES] [--chunk-divisor N] [--stream-ordered] [--no-defragment]
+//!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered] [--no-defragment]
 //!                   [--passes N] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
@@ -42,6 +42,29 @@ enum AllocatorKind {
     CudaMalloc,
 }
 
+/// `--chunk-divisor`: a divisor, or `None` for `off`.
+#[derive(Clone, Copy)]
+struct Divisor(Option<u64>);
+
+impl std::fmt::Display for Divisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(d) => write!(f, "{d}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_divisor(s: &str) -> Result<Divisor, String> {
+    if s == "off" {
+        return Ok(Divisor(None));
+    }
+    match s.parse::<u64>() {
+        Ok(d) if d > 0 => Ok(Divisor(Some(d))),
+        _ => Err(format!("{s:?} is neither a positive whole number nor off")),
+    }
+}
+
 #[derive(Parser)]
 #[command(about = "Replay an allocation trace; report footprint and speed")]
 struct Args {
@@ -53,10 +76,10 @@ struct Args {
     #[arg(long)]
     chunk_size: Option<u64>,
     /// Growth chunks of at most the pool's reserved bytes over N
-    /// (`PoolProps::chunk_divisor`); default: every growth uses the
+    /// (`PoolProps::chunk_divisor`), or `off`: every growth uses the
     /// largest chunk.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    chunk_divisor: Option<u64>,
+    #[arg(long, value_name = "N|off", value_parser = parse_divisor, default_value_t = Divisor(Some(vmpool::DEFAULT_CHUNK_DIVISOR)))]
+    chunk_divisor: Divisor,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -350,7 +373,7 @@ fn main() -> Result<()> {
     let passes = args.passes as usize;
     let props = PoolProps {
         chunk_size: args.chunk_size,
-        chunk_divisor: args.chunk_divisor,
+        chunk_divisor: args.chunk_divisor.0,
         defragment: !args.no_defragment,
         ..PoolProps::new(DeviceId(0))
     };
