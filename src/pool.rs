@@ -191,8 +191,9 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
 /// 2048th of the pool, so 2 MiB granules until the pool holds 4 GiB. It
 /// puts every real trace under 1.01 (the ResNet-50 traces recorded under
 /// PyTorch reach 1.0103-1.0158 with 32 MiB chunks), and makes a single
-/// replay of a trace 3-9 times slower on the H200 than 32 MiB chunks, all
-/// of it growth (docs/RESULTS.md, "Real traces miss it too").
+/// replay of a trace 2.4-7 times slower on the H200 than 32 MiB chunks, all
+/// of it growth, and keeps the footprint far lower over many passes
+/// (docs/RESULTS.md, "The default since 2026-11-30").
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
