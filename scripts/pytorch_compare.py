@@ -231,7 +231,11 @@ def child(args):
     # vmpool only: chunks each step mapped (new or moved), and the time
     # spent in vmpool's calls (VMPOOL_TIMING).
     step_maps, step_call_ms = [], []
-    for shape in shapes:
+    # vmpool only: its counters summed over the timed steps that mapped no
+    # chunk, where its calls are all bookkeeping (CALL_COUNTERS).
+    quiet = dict.fromkeys(CALL_COUNTERS, 0)
+    quiet["steps"] = 0
+    for index, shape in enumerate(shapes):
         before = vmpool.stats() if vmpool is not None else None
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -242,6 +246,10 @@ def child(args):
             after = vmpool.stats()
             step_maps.append(mapped(after) - mapped(before))
             step_call_ms.append((after["call_nanos"] - before["call_nanos"]) / 1e6)
+            if index >= WARMUP and step_maps[-1] == 0:
+                quiet["steps"] += 1
+                for k in CALL_COUNTERS:
+                    quiet[k] += after[k] - before[k]
         free, _ = torch.cuda.mem_get_info()
         device_peak = max(device_peak, total - free - baseline)
 
@@ -276,6 +284,7 @@ def child(args):
         without = [t for t, maps in split if not maps]
         extra["step_maps"] = step_maps
         extra["step_call_ms"] = step_call_ms
+        extra["calls_without_driver_work"] = quiet
         extra["steps_with_driver_work"] = len(with_driver)
         extra["ms_median_with_driver_work"] = 1000 * statistics.median(with_driver) if with_driver else None
         extra["ms_median_without_driver_work"] = 1000 * statistics.median(without) if without else None
@@ -298,6 +307,29 @@ def child(args):
 
 
 # ---- the comparison (parent) ---------------------------------------------------
+
+
+# vmpool's counters that say where its calls' time goes.
+CALL_COUNTERS = ("timed_calls", "call_nanos", "timed_frees", "free_nanos", "allocations",
+                 "same_stream_reuses", "frees_merged", "frees_completed", "events_recorded",
+                 "waits_inserted")
+
+
+def calls_breakdown(q):
+    """One line on vmpool's calls in the timed steps that mapped nothing."""
+    if not q or not q["steps"] or not q["timed_calls"]:
+        return None
+    allocs = q["timed_calls"] - q["timed_frees"]
+
+    def per_step(k):
+        return q[k] / q["steps"]
+
+    return (f"steps that mapped nothing ({q['steps']}): {per_step('timed_calls'):.0f} calls a step, "
+            f"allocations {(q['call_nanos'] - q['free_nanos']) / max(allocs, 1):.0f} ns "
+            f"({100 * q['same_stream_reuses'] / max(q['allocations'], 1):.0f} % without the pool's lock), "
+            f"frees {q['free_nanos'] / max(q['timed_frees'], 1):.0f} ns; a step: "
+            f"{per_step('events_recorded'):.1f} events recorded, {per_step('frees_merged'):.0f} frees merged, "
+            f"{per_step('frees_completed'):.0f} completed, {per_step('waits_inserted'):.1f} waits inserted")
 
 
 def mapped(stats):
@@ -507,6 +539,9 @@ def main():
                     calls = r["step_call_ms"][WARMUP:] or r["step_call_ms"]
                     print(f"{'':15} {'':16} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed step "
                           f"on average ({r['timed_calls']} calls in the run)", flush=True)
+                    breakdown = calls_breakdown(r.get("calls_without_driver_work"))
+                    if breakdown:
+                        print(f"{'':15} {'':16} {breakdown}", flush=True)
 
     if results:
         failed |= table(results)

@@ -40,6 +40,16 @@ _FIELDS = [
     "call_nanos",
     "graph_pools",
     "graph_reserved_bytes",
+    "timed_frees",
+    "free_nanos",
+    "grow_nanos",
+    "maps",
+    "unmaps",
+    "same_stream_reuses",
+    "frees_merged",
+    "frees_completed",
+    "events_recorded",
+    "waits_inserted",
 ]
 
 

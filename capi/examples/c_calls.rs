@@ -83,12 +83,25 @@ fn main() -> Result<()> {
         bail!("vmpool_stats({DEVICE}) found no pool");
     }
     if stats.timed_calls > 0 {
+        let allocs = stats.timed_calls - stats.timed_frees;
+        let per = |nanos: u64, calls: u64| nanos as f64 / calls.max(1) as f64;
         println!(
-            "  timed by the library (VMPOOL_TIMING=1): {:.1} ns a call inside it, over {} calls",
-            stats.call_nanos as f64 / stats.timed_calls as f64,
-            stats.timed_calls
+            "  timed by the library (VMPOOL_TIMING=1): {:.1} ns a call inside it, over {} calls \
+             (allocations {:.1} ns, {:.1} without growth; frees {:.1} ns)",
+            per(stats.call_nanos, stats.timed_calls),
+            stats.timed_calls,
+            per(stats.call_nanos - stats.free_nanos, allocs),
+            per(
+                stats.call_nanos - stats.free_nanos - stats.grow_nanos,
+                allocs
+            ),
+            per(stats.free_nanos, stats.timed_frees),
         );
     }
+    println!(
+        "  allocations: {} of {} without the pool's lock (the stream's own frees); {} events recorded",
+        stats.same_stream_reuses, stats.allocations, stats.events_recorded
+    );
     println!(
         "  pool: {} grows, {} chunks created, {} remaps; {} refused frees",
         stats.grows, stats.chunks_created, stats.remaps, stats.refused_frees

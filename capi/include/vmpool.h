@@ -17,8 +17,9 @@
  *                             (default warn; errors are always logged)
  *   VMPOOL_RECORD             path prefix: each pool writes its trace there
  *   VMPOOL_BACKEND            cuda (default) or host (tests without a GPU)
- *   VMPOOL_TIMING             1: time vmpool_alloc and vmpool_free (timed_calls
- *                             and call_nanos in vmpool_stats); default 0
+ *   VMPOOL_TIMING             1: time vmpool_alloc and vmpool_free (timed_calls,
+ *                             call_nanos, timed_frees and free_nanos in
+ *                             vmpool_stats); default 0
  *
  * A bad setting stops the library from starting: every allocation then
  * returns NULL, and the reason is logged.
@@ -120,6 +121,12 @@ typedef struct {
     uint64_t refused_frees;
     uint64_t timed_calls, call_nanos; /* VMPOOL_TIMING=1: alloc and free calls, and their time */
     uint64_t graph_pools, graph_reserved_bytes; /* CUDA graphs' private pools, and their memory */
+    uint64_t timed_frees, free_nanos; /* of the timed calls, the frees */
+    uint64_t grow_nanos;              /* time spent growing: planning and driver calls */
+    uint64_t maps, unmaps;            /* driver map and unmap calls */
+    uint64_t same_stream_reuses;      /* allocations served without the pool's lock, by the stream's own frees */
+    uint64_t frees_merged, frees_completed; /* stream-ordered frees back in the free space: early for their own stream, or once it passed them */
+    uint64_t events_recorded, waits_inserted; /* events recorded to learn when frees complete; waits to reuse another stream's */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */

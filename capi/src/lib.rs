@@ -308,6 +308,26 @@ pub struct VmpoolStats {
     /// in `reserved_bytes`, which is the device's pool).
     pub graph_pools: u64,
     pub graph_reserved_bytes: u64,
+    /// Of the timed calls, the frees, and their nanoseconds.
+    pub timed_frees: u64,
+    pub free_nanos: u64,
+    /// Nanoseconds spent growing (planning and driver calls), inside the
+    /// timed calls when timing is on.
+    pub grow_nanos: u64,
+    /// Driver map and unmap calls.
+    pub maps: u64,
+    pub unmaps: u64,
+    /// Allocations served, without the pool's lock, by memory freed on
+    /// the same stream: the rest of `allocations` took the lock.
+    pub same_stream_reuses: u64,
+    /// Stream-ordered frees merged back into the free space when their
+    /// stream missed, and those moved back once their stream passed them.
+    pub frees_merged: u64,
+    pub frees_completed: u64,
+    /// Events recorded to learn when frees complete, and waits inserted to
+    /// reuse another stream's frees.
+    pub events_recorded: u64,
+    pub waits_inserted: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -333,6 +353,16 @@ impl From<Figures> for VmpoolStats {
             call_nanos: f.call_nanos,
             graph_pools: f.graph_pools,
             graph_reserved_bytes: f.graph_reserved_bytes,
+            timed_frees: f.timed_frees,
+            free_nanos: f.free_nanos,
+            grow_nanos: s.grow_nanos,
+            maps: s.maps,
+            unmaps: s.unmaps,
+            same_stream_reuses: s.same_stream_reuses,
+            frees_merged: s.frees_merged,
+            frees_completed: s.frees_completed,
+            events_recorded: s.events_recorded,
+            waits_inserted: s.waits_inserted,
         }
     }
 }

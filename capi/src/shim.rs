@@ -275,9 +275,12 @@ struct Device<B: Backend> {
     idle_events: Mutex<Vec<Event<B>>>,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
     refused_frees: AtomicU64,
-    /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their time.
+    /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their
+    /// time; and of those, the frees.
     timed_calls: AtomicU64,
     call_nanos: AtomicU64,
+    timed_frees: AtomicU64,
+    free_nanos: AtomicU64,
 }
 
 /// A live allocation, and the other streams the caller said use it
@@ -288,6 +291,13 @@ struct Live<B: Backend> {
     used_on: Vec<Stream<B>>,
     /// The graph pool it came from; `None`: the device's pool.
     graph: Option<GraphPoolId>,
+}
+
+/// Which call [`Shim::timed`] times.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Alloc,
+    Free,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -332,6 +342,9 @@ pub struct Figures {
     pub refused_frees: u64,
     pub timed_calls: u64,
     pub call_nanos: u64,
+    /// Of the timed calls, the frees, and their time.
+    pub timed_frees: u64,
+    pub free_nanos: u64,
     /// CUDA graphs' private pools, and the physical bytes they hold.
     pub graph_pools: u64,
     pub graph_reserved_bytes: u64,
@@ -355,6 +368,8 @@ impl<B: Backend> Shim<B> {
                 refused_frees: AtomicU64::new(0),
                 timed_calls: AtomicU64::new(0),
                 call_nanos: AtomicU64::new(0),
+                timed_frees: AtomicU64::new(0),
+                free_nanos: AtomicU64::new(0),
             })
             .collect();
         Ok(Self {
@@ -461,11 +476,11 @@ impl<B: Backend> Shim<B> {
     /// zero bytes, as `cudaMallocAsync` gives NULL.
     pub fn alloc(&self, size: i64, device: i64, stream: usize) -> Result<u64, CallError> {
         let dev = self.device(device)?;
-        self.timed(dev, || self.alloc_on(dev, size, stream))
+        self.timed(dev, Call::Alloc, || self.alloc_on(dev, size, stream))
     }
 
     /// `f()`, counted in `dev`'s call time when timing is on.
-    fn timed<T>(&self, dev: &Device<B>, f: impl FnOnce() -> T) -> T {
+    fn timed<T>(&self, dev: &Device<B>, call: Call, f: impl FnOnce() -> T) -> T {
         if !self.config.timing {
             return f();
         }
@@ -474,6 +489,10 @@ impl<B: Backend> Shim<B> {
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         dev.call_nanos.fetch_add(nanos, Ordering::Relaxed);
         dev.timed_calls.fetch_add(1, Ordering::Relaxed);
+        if call == Call::Free {
+            dev.free_nanos.fetch_add(nanos, Ordering::Relaxed);
+            dev.timed_frees.fetch_add(1, Ordering::Relaxed);
+        }
         out
     }
 
@@ -647,7 +666,7 @@ impl<B: Backend> Shim<B> {
             return Ok(());
         }
         let dev = self.device(device)?;
-        self.timed(dev, || self.free_on(dev, ptr, size, stream))
+        self.timed(dev, Call::Free, || self.free_on(dev, ptr, size, stream))
     }
 
     fn free_on(
@@ -884,6 +903,8 @@ impl<B: Backend> Shim<B> {
             refused_frees: dev.refused_frees.load(Ordering::Relaxed),
             timed_calls: dev.timed_calls.load(Ordering::Relaxed),
             call_nanos: dev.call_nanos.load(Ordering::Relaxed),
+            timed_frees: dev.timed_frees.load(Ordering::Relaxed),
+            free_nanos: dev.free_nanos.load(Ordering::Relaxed),
             graph_pools,
             graph_reserved_bytes,
             ..Figures::default()

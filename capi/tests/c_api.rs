@@ -100,7 +100,57 @@ fn round_trip_and_figures() {
     assert_eq!(s.refused_frees, 0);
     // VMPOOL_TIMING=1: every allocation and free above, timed.
     assert_eq!(s.timed_calls, 2 * sizes.len() as u64 + 2);
-    assert!(s.call_nanos > 0);
+    assert_eq!(s.timed_frees, sizes.len() as u64 + 1);
+    assert!(s.call_nanos > s.free_nanos && s.free_nanos > 0);
+    assert!(s.grows > 0 && s.grow_nanos > 0 && s.maps > 0);
+    assert!(s.same_stream_reuses <= s.allocations);
+}
+
+/// `vmpool_stats_t` is written out three times: the Rust struct, the C
+/// header and the Python helper's ctypes fields. The same names, in the
+/// same order, all 64-bit.
+#[test]
+fn stats_layout_matches_the_header_and_the_python_helper() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let header = std::fs::read_to_string(format!("{root}/include/vmpool.h")).unwrap();
+    let body = header
+        .split("typedef struct {")
+        .find_map(|part| part.split_once("} vmpool_stats_t;").map(|(body, _)| body))
+        .expect("vmpool_stats_t in the header");
+    let in_header: Vec<&str> = body
+        .lines()
+        .map(|line| line.split("/*").next().unwrap().trim())
+        .filter(|decl| !decl.is_empty())
+        .flat_map(|decl| {
+            let names = decl
+                .strip_prefix("uint64_t ")
+                .and_then(|rest| rest.strip_suffix(';'))
+                .unwrap_or_else(|| panic!("not a uint64_t field: {decl}"));
+            names.split(',').map(str::trim)
+        })
+        .collect();
+    let python = std::fs::read_to_string(format!("{root}/../scripts/vmpool_torch.py")).unwrap();
+    let list = python
+        .split_once("_FIELDS = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .expect("_FIELDS in vmpool_torch.py")
+        .0;
+    let in_python: Vec<&str> = list
+        .split(',')
+        .map(|name| name.trim().trim_matches('"'))
+        .filter(|name| !name.is_empty())
+        .collect();
+    let debug = format!("{:?}", VmpoolStats::default());
+    let in_rust: Vec<&str> = debug
+        .trim_start_matches("VmpoolStats {")
+        .trim_end_matches('}')
+        .split(',')
+        .map(|field| field.split(':').next().unwrap().trim())
+        .filter(|name| !name.is_empty())
+        .collect();
+    assert_eq!(in_header, in_rust);
+    assert_eq!(in_python, in_rust);
+    assert_eq!(std::mem::size_of::<VmpoolStats>(), 8 * in_rust.len());
 }
 
 #[test]
