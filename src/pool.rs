@@ -189,10 +189,10 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
 
 /// The default [`PoolProps::chunk_divisor`]: growth chunks of at most a
 /// 2048th of the pool, so 2 MiB granules until the pool holds 4 GiB. It
-/// puts every real trace under 1.01 (the ResNet-50 traces recorded under
-/// PyTorch reach 1.0103-1.0158 with 32 MiB chunks), and makes a single
-/// replay of a trace 2.4-7 times slower on the H200 than 32 MiB chunks, all
-/// of it growth, and keeps the footprint far lower over many passes
+/// puts every real training trace under 1.01 (with 32 MiB chunks the
+/// ResNet-50 ones recorded under PyTorch reach 1.0103-1.0158) and keeps the
+/// footprint far lower over many passes, but makes a single replay of a
+/// training trace 2.4-7 times slower on the H200, all of it growth
 /// (docs/RESULTS.md, "The default since 2026-11-30").
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
 

@@ -92,7 +92,7 @@ fn main() -> Result<()> {
             stats.timed_calls,
             per(stats.call_nanos - stats.free_nanos, allocs),
             per(
-                stats.call_nanos - stats.free_nanos - stats.grow_nanos,
+                (stats.call_nanos - stats.free_nanos).saturating_sub(stats.grow_nanos),
                 allocs
             ),
             per(stats.free_nanos, stats.timed_frees),
