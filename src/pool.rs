@@ -51,14 +51,14 @@
 //! hooks into the frees: an allocation another process has imported stays
 //! allocated, so its units stay put, until that process lets go.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use vmm::memory::{Chunk, Mapping, Reservation};
 use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, ErrorKind, EventStatus};
 
@@ -1897,7 +1897,8 @@ impl<B: Backend> Inner<B> {
                     .map(|(&va, a)| (va, a.mapping.size() as u64)),
             )
             .collect();
-        occupied.sort_unstable();
+        // Two runs already in order: a stable sort merges them in one pass.
+        occupied.sort();
         let next_unit_after = |at: u64| {
             let i = occupied.partition_point(|&(va, _)| va < at);
             occupied.get(i).map_or(*end, |&(va, _)| va)
@@ -1953,40 +1954,46 @@ impl<B: Backend> Inner<B> {
     /// gpt2_train's first pass from 1.0092 to 1.0193: docs/RESULTS.md.)
     fn free_units(&self, mover: Option<u64>) -> Vec<FreeUnit> {
         let whole_first = self.arenas[1].chunk_divisor.is_some();
-        let mut found: Vec<(bool, FreeUnit)> = Vec::new();
+        // The free blocks that can hold a unit, ranked; their units then
+        // come in address order within each block, and blocks do not
+        // overlap, so the units come out ranked too.
+        let mut blocks: Vec<(bool, u64, u64, BlockId)> = Vec::new();
         for arena in &self.arenas {
             arena.heap.for_each_free(|addr, len, block| {
                 // Units are whole granules: the small arena's chunk size.
                 if len < self.arenas[0].chunk_size {
                     return;
                 }
-                let inside = || self.units.range(addr..addr + len);
                 // A block lies in one mapped region, which its units tile:
                 // it starts on a unit boundary when a unit starts there, and
                 // ends on one when the last unit starting in it ends there.
                 let partial = whole_first && {
-                    let mut ends = inside();
+                    let mut ends = self.units.range(addr..addr + len);
                     let first = ends.next();
                     let last = ends.next_back().or(first);
                     !(first.is_some_and(|(&va, _)| va == addr)
                         && last.is_some_and(|(&va, m)| va + m.size() as u64 == addr + len))
                 };
-                for (&va, m) in inside() {
-                    let end = va + m.size() as u64;
-                    let movable = || {
-                        Arc::strong_count(m.chunk()) == 1
-                            && self
-                                .guards_in(va, end)
-                                .all(|(_, g)| Some(g.stream) == mover)
-                    };
-                    if end <= addr + len && movable() {
-                        found.push((partial, (va, m.size() as u64, block)));
-                    }
-                }
+                blocks.push((partial, addr, len, block));
             });
         }
-        found.sort_unstable_by_key(|&(partial, (va, _, _))| (partial, va));
-        found.into_iter().map(|(_, unit)| unit).collect()
+        blocks.sort_unstable_by_key(|&(partial, addr, _, _)| (partial, addr));
+        let mut found = Vec::new();
+        for (_, addr, len, block) in blocks {
+            for (&va, m) in self.units.range(addr..addr + len) {
+                let end = va + m.size() as u64;
+                let movable = || {
+                    Arc::strong_count(m.chunk()) == 1
+                        && self
+                            .guards_in(va, end)
+                            .all(|(_, g)| Some(g.stream) == mover)
+                };
+                if end <= addr + len && movable() {
+                    found.push((va, m.size() as u64, block));
+                }
+            }
+        }
+        found
     }
 
     /// The arena `va` lies in: 0 for small allocations, 1 for large.
@@ -2069,7 +2076,7 @@ impl<B: Backend> Inner<B> {
         sources: &[Source],
         free: &[FreeUnit],
     ) -> Result<Gathered<B>> {
-        let moving: HashSet<u64> = sources
+        let moving: FxHashSet<u64> = sources
             .iter()
             .filter_map(|s| match *s {
                 Source::Unit { va, .. } => Some(va),
@@ -2081,7 +2088,7 @@ impl<B: Backend> Inner<B> {
             .filter(|(va, _, _)| moving.contains(va))
             .copied()
             .collect();
-        let mut moved: HashMap<u64, (Arc<Chunk<B>>, Under)> = self
+        let mut moved: FxHashMap<u64, (Arc<Chunk<B>>, Under)> = self
             .unmap_units(units)?
             .into_iter()
             .map(|(va, chunk, under)| (va, (chunk, under)))
