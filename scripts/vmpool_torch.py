@@ -248,8 +248,9 @@ def reset_peaks(device=None):
 
 
 def synchronize(device=None):
-    """Waits for the streams vmpool has seen, frees what they freed, and trims
-    the pool to its release threshold."""
+    """Waits for the streams vmpool has seen, frees what they freed, trims
+    the pool to its release threshold, and forgets the streams (adopted
+    again at their next use)."""
     _check("synchronize", library().vmpool_synchronize(_device(device)))
 
 

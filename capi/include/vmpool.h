@@ -28,7 +28,12 @@
  * context (the runtime API's contexts), or 0 for the legacy default stream.
  * It must stay alive while allocations freed on it may be pending (until
  * vmpool_synchronize, or forever for streams that are never destroyed,
- * such as PyTorch's). The per-thread default stream is refused.
+ * such as PyTorch's). To destroy a stream vmpool has seen, call
+ * vmpool_synchronize (or vmpool_empty_cache) between its last use and its
+ * destruction: they wait for every stream and then forget them all, so a
+ * handle that comes back as another stream is adopted as a new one, not
+ * taken for the old one with the order vmpool knew it to have. The
+ * per-thread default stream is refused.
  */
 #ifndef VMPOOL_H
 #define VMPOOL_H
@@ -85,8 +90,9 @@ void vmpool_end_allocate_to_pool(int device, vmpool_mempool_id_t pool);
 void vmpool_release_pool(int device, vmpool_mempool_id_t pool);
 
 /* Waits for every stream vmpool has seen on `device`; then their frees are
- * reusable on every stream, and the pool keeps at most its release
- * threshold. 0 on success, -1 on failure (logged). */
+ * reusable on every stream, the pool keeps at most its release threshold,
+ * and vmpool forgets the streams (it adopts them again at their next use).
+ * 0 on success, -1 on failure (logged). */
 int vmpool_synchronize(int device);
 
 /* Releases unused physical memory of the device's pool down to `keep`
@@ -94,9 +100,10 @@ int vmpool_synchronize(int device);
  * vmpool_synchronize. 0 on success, -1 on failure. */
 int vmpool_trim(int device, uint64_t keep);
 
-/* Waits for the streams vmpool has seen on every device and releases each
- * device's unused memory (PyTorch's torch.cuda.empty_cache; vmpool_torch.install
- * hooks it). CUDA graphs' pools keep theirs. Failures are logged. */
+/* Waits for the streams vmpool has seen on every device (and forgets them,
+ * as vmpool_synchronize does) and releases each device's unused memory
+ * (PyTorch's torch.cuda.empty_cache; vmpool_torch.install hooks it). CUDA
+ * graphs' pools keep theirs. Failures are logged. */
 void vmpool_empty_cache(void);
 
 /* Limits the device's pool to `fraction` (in (0, 1]) of the device's

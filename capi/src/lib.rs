@@ -220,8 +220,10 @@ pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
 }
 
 /// Waits for every stream vmpool has seen on `device`, makes their frees
-/// reusable everywhere, and trims the pool to its release threshold.
-/// 0 on success, -1 on failure (logged).
+/// reusable everywhere, trims the pool to its release threshold, and
+/// forgets the streams (adopted again at their next use, so that a
+/// destroyed stream's handle can come back as another stream). 0 on
+/// success, -1 on failure (logged).
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_synchronize(device: c_int) -> c_int {
     call(
@@ -244,7 +246,8 @@ pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
 }
 
 /// Returns every device's unused memory: waits for the streams vmpool has
-/// seen, then trims each device's pool to nothing unused (PyTorch's
+/// seen (and forgets them, as [`vmpool_synchronize`] does), then trims
+/// each device's pool to nothing unused (PyTorch's
 /// `torch.cuda.empty_cache`, which `vmpool_torch.install` hooks). Graph
 /// pools keep theirs for their graphs. Failures are logged.
 #[unsafe(no_mangle)]

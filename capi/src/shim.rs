@@ -253,7 +253,8 @@ struct Device<B: Backend> {
     pool: OnceLock<Pool<B>>,
     /// Serialises the pool's creation, which can fail and is retried.
     creating: Mutex<()>,
-    /// The caller's streams by handle.
+    /// The caller's streams by handle, adopted on first use and forgotten
+    /// at each wait for the whole device ([`Shim::forget_streams`]).
     streams: RwLock<FxHashMap<usize, Stream<B>>>,
     /// What vmpool handed out and the caller has not freed, by pointer.
     live: Mutex<FxHashMap<u64, Live<B>>>,
@@ -429,8 +430,7 @@ impl<B: Backend> Shim<B> {
 
     /// Calls `f` with the vmpool stream for the caller's `handle`, adopted
     /// on first use. `f` runs under the table's read lock, so a call neither
-    /// clones the stream nor writes to the table; the table only grows, so
-    /// a stream once adopted is found again. `f` is not called when the
+    /// clones the stream nor writes to the table. `f` is not called when the
     /// adoption fails.
     fn with_stream<T>(
         &self,
@@ -438,23 +438,35 @@ impl<B: Backend> Shim<B> {
         handle: usize,
         f: impl FnOnce(&Stream<B>) -> T,
     ) -> vmpool::Result<T> {
-        let read = || {
-            device
-                .streams
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-        };
-        {
-            let streams = read();
-            if let Some(s) = streams.get(&handle) {
-                return Ok(f(s));
+        loop {
+            {
+                let streams = device
+                    .streams
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if let Some(s) = streams.get(&handle) {
+                    return Ok(f(s));
+                }
             }
+            // Found next time round, unless a synchronize forgot it in
+            // between (then it is adopted again).
+            self.adopt(device, handle)?;
         }
-        self.adopt(device, handle)?;
-        let streams = read();
-        Ok(f(streams
-            .get(&handle)
-            .expect("adopted, and the table only grows")))
+    }
+
+    /// Empties `device`'s stream table, once a wait for the whole device
+    /// has left no free pending on any of its streams. A handle the caller
+    /// destroyed may come back as another stream's; its old entry would
+    /// carry what vmpool knew of the old stream's order (the other streams
+    /// it had waited for) to the new one, which never waited. Adopted
+    /// afresh, a stream starts knowing nothing, and the table does not grow
+    /// with every stream the caller ever made.
+    fn forget_streams(device: &Device<B>) {
+        device
+            .streams
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 
     /// Adds the caller's stream `handle` to the table, unless another
@@ -829,7 +841,9 @@ impl<B: Backend> Shim<B> {
     /// release threshold.
     pub fn synchronize(&self, device: i64) -> Result<(), CallError> {
         let dev = self.device(device)?;
-        Ok(self.context.synchronize_device(dev.id)?)
+        self.context.synchronize_device(dev.id)?;
+        Self::forget_streams(dev);
+        Ok(())
     }
 
     /// Releases unused memory of `device`'s pool down to `keep` bytes.
@@ -853,6 +867,7 @@ impl<B: Backend> Shim<B> {
             };
             if dev.open_graphs.load(Ordering::Acquire) == 0 {
                 self.context.synchronize_device(dev.id)?;
+                Self::forget_streams(dev);
             }
             pool.trim_to(0)?;
         }
@@ -1023,6 +1038,35 @@ mod tests {
         assert_eq!(figures.refused_frees, 0);
         shim.synchronize(0).unwrap();
         assert_eq!(shim.figures(0).unwrap().stats.used_bytes, 0);
+    }
+
+    fn table_len(shim: &Shim<vmpool::vmm::host::Host>) -> usize {
+        shim.devices[0].streams.read().unwrap().len()
+    }
+
+    #[test]
+    fn a_synchronize_forgets_the_streams_and_they_are_adopted_again() {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(host, config(&[]).unwrap(), odd_handles_only).unwrap();
+        for handle in [1, 3, 5] {
+            let ptr = shim.alloc(1 << 20, 0, handle).unwrap();
+            shim.free(ptr, 1 << 20, 0, handle).unwrap();
+        }
+        assert_eq!(table_len(&shim), 3);
+        shim.synchronize(0).unwrap();
+        assert_eq!(table_len(&shim), 0);
+        // Adopted afresh: a stream reuses its own frees at once again.
+        let a = shim.alloc(1 << 20, 0, 3).unwrap();
+        shim.free(a, 1 << 20, 0, 3).unwrap();
+        let b = shim.alloc(1 << 20, 0, 3).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(table_len(&shim), 1);
+        shim.free(b, 1 << 20, 0, 3).unwrap();
+        // empty_cache waits for the device too, and forgets as well.
+        shim.empty_cache().unwrap();
+        assert_eq!(table_len(&shim), 0);
+        let figures = shim.figures(0).unwrap();
+        assert_eq!((figures.stats.used_bytes, figures.refused_frees), (0, 0));
     }
 
     /// The host stream `handle` stands for on device 0.
