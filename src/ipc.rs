@@ -674,21 +674,30 @@ impl<B: Backend> Importer<B> {
         };
         let mut parts = Vec::new();
         let mut buf = [0u8; 64];
-        for _ in 0..count {
+        for i in 0..count {
             let part = match recv(conn.as_fd(), &mut buf) {
                 Ok((16, Some(fd))) => {
                     let w = words(&buf[..16]);
                     Ok((w[0], w[1] as usize, fd))
                 }
+                // A descriptor can also go missing on this side: the kernel
+                // drops it when this process is at its open-file limit.
                 Ok((n, _)) => Err(Error::Ipc(format!(
                     "a chunk message of {n} bytes without a descriptor"
                 ))),
-                Err(err) => Err(err),
+                Err(err) => return Err(err),
             };
             match part {
                 Ok(part) => parts.push(part),
                 Err(err) => {
-                    // Give the lease back if the connection still works.
+                    // The rest of the grant is on its way: read it (closing
+                    // the descriptors, those received first included), so
+                    // that the next reply read is the next request's; then
+                    // give the lease back.
+                    drop(parts);
+                    for _ in i + 1..count {
+                        recv(conn.as_fd(), &mut buf)?;
+                    }
                     let _ = request(conn.as_fd(), &[RELEASE, lease]);
                     return Err(err);
                 }
@@ -897,5 +906,66 @@ mod tests {
         // The right version still connects.
         let (words, _) = request(handle.as_fd(), &[HELLO, PROTOCOL]).unwrap();
         assert_eq!(words[0], OK);
+    }
+
+    /// A grant whose second chunk comes without its descriptor (as when the
+    /// importer is at its open-file limit): the import fails, the rest of
+    /// the grant is read, the lease goes back, and the connection's next
+    /// request gets its own reply.
+    #[test]
+    fn a_grant_broken_part_way_is_read_to_its_end() {
+        use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+        let host = vmm::host::Host::new(vmm::host::HostConfig::default()).unwrap();
+        let (ours, theirs) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let data = ExportData {
+            token: 7,
+            serial: 1,
+            ptr: 0x1000,
+            size: 3 << 21,
+        };
+        // The exporter's side, by hand: three chunks, the second without
+        // its descriptor; then it expects the lease back, then a hello.
+        let exporter = std::thread::spawn(move || {
+            let mut buf = [0u8; 1024];
+            let (n, _) = recv(theirs.as_fd(), &mut buf).unwrap();
+            assert_eq!(words(&buf[..n]), [IMPORT, 7, 1, 0x1000, 3 << 21]);
+            send(theirs.as_fd(), &message(&[OK, 42, 0, 3], ""), None).unwrap();
+            // Any descriptor will do: nothing is imported before all came.
+            let fd = theirs.as_fd();
+            for (i, fd) in [Some(fd), None, Some(fd)].into_iter().enumerate() {
+                send(theirs.as_fd(), &message(&[i as u64, 2 << 20], ""), fd).unwrap();
+            }
+            let (n, _) = recv(theirs.as_fd(), &mut buf).unwrap();
+            assert_eq!(words(&buf[..n]), [RELEASE, 42], "the lease went back");
+            send(theirs.as_fd(), &message(&[OK], ""), None).unwrap();
+            let (n, _) = recv(theirs.as_fd(), &mut buf).unwrap();
+            assert_eq!(words(&buf[..n]), [HELLO, PROTOCOL]);
+            send(theirs.as_fd(), &message(&[OK, 99], ""), None).unwrap();
+        });
+        let importer = Importer {
+            backend: host,
+            conn: Mutex::new(ours),
+            token: 7,
+            device: DeviceId(0),
+            chunks: Mutex::default(),
+        };
+        let err = importer
+            .ask_import(&data)
+            .err()
+            .expect("a chunk had no descriptor");
+        assert!(err.to_string().contains("without a descriptor"), "{err}");
+        let (words, _) = request(lock(&importer.conn).as_fd(), &[HELLO, PROTOCOL]).unwrap();
+        assert_eq!(
+            words,
+            [OK, 99],
+            "the reply to the hello, not a chunk of the grant"
+        );
+        exporter.join().unwrap();
     }
 }
