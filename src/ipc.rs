@@ -46,7 +46,12 @@
 //! ([`send_handle`] / [`recv_handle`] do that with `SCM_RIGHTS`), and then
 //! drop your copy, so that the connection closes when the importer dies.
 //! Chunks travel as the backend's exported descriptors (memfds on the host
-//! backend, `cuMemExportToShareableHandle` on CUDA). Everything goes through
+//! backend, `cuMemExportToShareableHandle` on CUDA), one at a time: the
+//! exporter exports each as it sends it, and the importer imports each as
+//! it comes, closing the descriptor then, so neither side holds more than
+//! one however many chunks an allocation spans. A chunk that cannot be
+//! exported comes without its descriptor, and so do the rest; the importer
+//! then reads them all and gives the lease back. Everything goes through
 //! rustix's safe socket calls with owned descriptors: no `unsafe` here.
 //!
 //! An imported allocation gives read-write access to the exporting pool's
@@ -386,11 +391,36 @@ const STALE: u64 = 1;
 const FOREIGN: u64 = 2;
 const FAILED: u64 = 3;
 
-/// A reply: messages, each with the descriptor that goes with it.
-type Reply = Vec<(Vec<u8>, Option<OwnedFd>)>;
+/// A reply: messages, each with the chunk whose descriptor goes with it.
+/// A chunk is exported as its message is sent, and its descriptor closed
+/// once sent, so that this side holds one at a time however many chunks an
+/// allocation spans.
+type Reply<B> = Vec<(Vec<u8>, Option<Arc<Chunk<B>>>)>;
 
-fn reply(words: &[u64], text: &str) -> Reply {
+fn reply<B: Backend>(words: &[u64], text: &str) -> Reply<B> {
     vec![(message(words, text), None)]
+}
+
+/// Sends `answer`. A chunk that fails to export goes without its
+/// descriptor, and so do the ones after it: the importer, finding one
+/// missing, reads the rest and gives the lease back.
+fn send_reply<B: Backend>(conn: BorrowedFd<'_>, answer: Reply<B>) -> Result<()> {
+    let mut failed = false;
+    for (bytes, chunk) in answer {
+        let fd = match chunk {
+            Some(chunk) if !failed => match chunk.export() {
+                Ok(fd) => Some(fd),
+                Err(err) => {
+                    tracing::warn!(%err, "exporting a chunk for an import");
+                    failed = true;
+                    None
+                }
+            },
+            _ => None,
+        };
+        send(conn, &bytes, fd.as_ref().map(|f| f.as_fd()))?;
+    }
+    Ok(())
 }
 
 /// Serves one connection until it closes or the pool goes, then ends the
@@ -457,10 +487,7 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
         // side may expect everything to be as it left it, the pool gone
         // included, when this process drops it.
         drop(pool);
-        let sent = answer
-            .iter()
-            .try_for_each(|(bytes, fd)| send(conn.as_fd(), bytes, fd.as_ref().map(|f| f.as_fd())));
-        if sent.is_err() {
+        if send_reply(conn.as_fd(), answer).is_err() {
             break;
         }
     }
@@ -482,14 +509,15 @@ fn serve<B: Backend>(pool: &Weak<Shared<B>>, conn: &OwnedFd) {
 }
 
 /// Takes a lease for an import and answers with a header, then one message
-/// per chunk with its descriptor. The lease is recorded before anything is
-/// sent, so that a connection that breaks half-way still ends it.
+/// per chunk with its descriptor ([`send_reply`] exports them). The lease
+/// is recorded before anything is sent, so that a connection that breaks
+/// half-way still ends it.
 fn grant<B: Backend>(
     pool: &Pool<B>,
     data: &ExportData,
     lease: u64,
     leases: &mut HashMap<u64, u64>,
-) -> Reply {
+) -> Reply<B> {
     let (first, chunks) = match pool.lease(data) {
         Ok(found) => found,
         Err(err) => {
@@ -501,23 +529,12 @@ fn grant<B: Backend>(
             return reply(&[code], &err.to_string());
         }
     };
-    let fds = match chunks
-        .iter()
-        .map(|c| c.export())
-        .collect::<vmm::Result<Vec<_>>>()
-    {
-        Ok(fds) => fds,
-        Err(err) => {
-            pool.end_lease(data.ptr);
-            return reply(&[FAILED], &err.to_string());
-        }
-    };
     leases.insert(lease, data.ptr);
     let mut answer = reply(&[OK, lease, data.ptr - first, chunks.len() as u64], "");
-    for (chunk, fd) in chunks.iter().zip(fds) {
+    for chunk in chunks {
         answer.push((
             message(&[chunk.handle().0, chunk.size() as u64], ""),
-            Some(fd),
+            Some(chunk),
         ));
     }
     answer
@@ -614,7 +631,7 @@ impl<B: Backend> ImportedPool<B> {
         let Grant {
             lease: id,
             offset,
-            parts,
+            chunks,
         } = importer.ask_import(data)?;
         // From here on, dropping `lease` gives it back.
         let lease = Lease {
@@ -622,21 +639,6 @@ impl<B: Backend> ImportedPool<B> {
             id,
         };
         let backend = &importer.backend;
-        let mut cache = lock(&importer.chunks);
-        cache.retain(|_, c| c.strong_count() > 0);
-        let mut chunks = Vec::with_capacity(parts.len());
-        for (handle, size, fd) in parts {
-            let chunk = match cache.get(&handle).and_then(Weak::upgrade) {
-                Some(chunk) => chunk,
-                None => {
-                    let chunk = Chunk::import(backend, fd.as_fd(), importer.device, size)?;
-                    cache.insert(handle, Arc::downgrade(&chunk));
-                    chunk
-                }
-            };
-            chunks.push(chunk);
-        }
-        drop(cache);
         let total: usize = chunks.iter().map(|c| c.size()).sum();
         let reservation = Reservation::new(backend, total, 0)?;
         let mut mappings = Vec::with_capacity(chunks.len());
@@ -658,8 +660,10 @@ impl<B: Backend> ImportedPool<B> {
 }
 
 impl<B: Backend> Importer<B> {
-    /// Asks the exporter for a lease on `data` and the chunks under it.
-    fn ask_import(&self, data: &ExportData) -> Result<Grant> {
+    /// Asks the exporter for a lease on `data` and the chunks under it, and
+    /// imports each chunk as its descriptor comes (closing the descriptor
+    /// then), so that this side holds one at a time.
+    fn ask_import(&self, data: &ExportData) -> Result<Grant<B>> {
         let conn = lock(&self.conn);
         let (reply, text) = request(
             conn.as_fd(),
@@ -672,29 +676,30 @@ impl<B: Backend> Importer<B> {
                 _ => Error::Ipc(format!("the exporter refused the import: {text}")),
             });
         };
-        let mut parts = Vec::new();
+        lock(&self.chunks).retain(|_, c| c.strong_count() > 0);
+        let mut chunks = Vec::new();
         let mut buf = [0u8; 64];
         for i in 0..count {
-            let part = match recv(conn.as_fd(), &mut buf) {
+            let chunk = match recv(conn.as_fd(), &mut buf) {
                 Ok((16, Some(fd))) => {
                     let w = words(&buf[..16]);
-                    Ok((w[0], w[1] as usize, fd))
+                    self.import_chunk(w[0], w[1] as usize, fd)
                 }
-                // A descriptor can also go missing on this side: the kernel
-                // drops it when this process is at its open-file limit.
+                // A descriptor goes missing when the exporter could not
+                // export its chunk, or when this process is at its
+                // open-file limit (the kernel drops it).
                 Ok((n, _)) => Err(Error::Ipc(format!(
                     "a chunk message of {n} bytes without a descriptor"
                 ))),
                 Err(err) => return Err(err),
             };
-            match part {
-                Ok(part) => parts.push(part),
+            match chunk {
+                Ok(chunk) => chunks.push(chunk),
                 Err(err) => {
-                    // The rest of the grant is on its way: read it (closing
-                    // the descriptors, those received first included), so
-                    // that the next reply read is the next request's; then
-                    // give the lease back.
-                    drop(parts);
+                    // The rest of the grant is on its way: read it, so that
+                    // the next reply read is the next request's; then give
+                    // the lease back.
+                    drop(chunks);
                     for _ in i + 1..count {
                         recv(conn.as_fd(), &mut buf)?;
                     }
@@ -706,18 +711,29 @@ impl<B: Backend> Importer<B> {
         Ok(Grant {
             lease,
             offset,
-            parts,
+            chunks,
         })
+    }
+
+    /// The exporter's chunk `handle`, imported from `fd` unless an earlier
+    /// import of this process still holds it.
+    fn import_chunk(&self, handle: u64, size: usize, fd: OwnedFd) -> Result<Arc<Chunk<B>>> {
+        let mut cache = lock(&self.chunks);
+        if let Some(chunk) = cache.get(&handle).and_then(Weak::upgrade) {
+            return Ok(chunk);
+        }
+        let chunk = Chunk::import(&self.backend, fd.as_fd(), self.device, size)?;
+        cache.insert(handle, Arc::downgrade(&chunk));
+        Ok(chunk)
     }
 }
 
 /// What the exporter sends for an import: the lease, the allocation's
-/// offset in its first chunk, and each chunk (the exporter's handle, size,
-/// descriptor).
-struct Grant {
+/// offset in its first chunk, and its chunks, imported.
+struct Grant<B: Backend> {
     lease: u64,
     offset: u64,
-    parts: Vec<(u64, usize, OwnedFd)>,
+    chunks: Vec<Arc<Chunk<B>>>,
 }
 
 /// A lease on an exported allocation; given back when dropped.
@@ -931,13 +947,14 @@ mod tests {
         };
         // The exporter's side, by hand: three chunks, the second without
         // its descriptor; then it expects the lease back, then a hello.
+        let chunk = Chunk::new_shareable(&host, DeviceId(0), 2 << 20).unwrap();
+        let exported = chunk.export().unwrap();
         let exporter = std::thread::spawn(move || {
             let mut buf = [0u8; 1024];
             let (n, _) = recv(theirs.as_fd(), &mut buf).unwrap();
             assert_eq!(words(&buf[..n]), [IMPORT, 7, 1, 0x1000, 3 << 21]);
             send(theirs.as_fd(), &message(&[OK, 42, 0, 3], ""), None).unwrap();
-            // Any descriptor will do: nothing is imported before all came.
-            let fd = theirs.as_fd();
+            let fd = exported.as_fd();
             for (i, fd) in [Some(fd), None, Some(fd)].into_iter().enumerate() {
                 send(theirs.as_fd(), &message(&[i as u64, 2 << 20], ""), fd).unwrap();
             }
@@ -949,7 +966,7 @@ mod tests {
             send(theirs.as_fd(), &message(&[OK, 99], ""), None).unwrap();
         });
         let importer = Importer {
-            backend: host,
+            backend: Arc::clone(&host),
             conn: Mutex::new(ours),
             token: 7,
             device: DeviceId(0),
@@ -967,5 +984,11 @@ mod tests {
             "the reply to the hello, not a chunk of the grant"
         );
         exporter.join().unwrap();
+        // The first chunk was imported as it came, and let go again.
+        drop(chunk);
+        assert!(lock(&importer.chunks)
+            .values()
+            .all(|c| c.strong_count() == 0));
+        assert_eq!(host.census().chunks, 0);
     }
 }
