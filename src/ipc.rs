@@ -407,16 +407,17 @@ fn reply<B: Backend>(words: &[u64], text: &str) -> Reply<B> {
 fn send_reply<B: Backend>(conn: BorrowedFd<'_>, answer: Reply<B>) -> Result<()> {
     let mut failed = false;
     for (bytes, chunk) in answer {
-        let fd = match chunk {
-            Some(chunk) if !failed => match chunk.export() {
-                Ok(fd) => Some(fd),
-                Err(err) => {
-                    tracing::warn!(%err, "exporting a chunk for an import");
-                    failed = true;
-                    None
-                }
-            },
-            _ => None,
+        // The chunk goes before its message does: once the importer has
+        // the last one, this side holds none of them.
+        let exported = chunk.filter(|_| !failed).map(|c| c.export());
+        let fd = match exported {
+            Some(Ok(fd)) => Some(fd),
+            Some(Err(err)) => {
+                tracing::warn!(%err, "exporting a chunk for an import");
+                failed = true;
+                None
+            }
+            None => None,
         };
         send(conn, &bytes, fd.as_ref().map(|f| f.as_fd()))?;
     }
