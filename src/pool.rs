@@ -1996,14 +1996,10 @@ impl<B: Backend> Inner<B> {
         found
     }
 
-    /// The arena `va` lies in: 0 for small allocations, 1 for large.
-    fn arena_of(&self, va: u64) -> usize {
-        usize::from(va >= self.arenas[0].end)
-    }
-
+    /// The heap of the arena `va` lies in.
     fn heap_of(&mut self, va: u64) -> &mut Heap {
-        let arena = self.arena_of(va);
-        &mut self.arenas[arena].heap
+        let small = va < self.arenas[0].end;
+        &mut self.arenas[usize::from(!small)].heap
     }
 
     /// Takes free units (as [`Inner::free_units`] lists them) out of the

@@ -254,7 +254,7 @@ struct Device<B: Backend> {
     /// Serialises the pool's creation, which can fail and is retried.
     creating: Mutex<()>,
     /// The caller's streams by handle, adopted on first use and forgotten
-    /// at each wait for the whole device ([`Shim::forget_streams`]).
+    /// at each wait for the whole device ([`Shim::wait_and_forget_streams`]).
     streams: RwLock<FxHashMap<usize, Stream<B>>>,
     /// What vmpool handed out and the caller has not freed, by pointer.
     live: Mutex<FxHashMap<u64, Live<B>>>,
@@ -454,19 +454,21 @@ impl<B: Backend> Shim<B> {
         }
     }
 
-    /// Empties `device`'s stream table, once a wait for the whole device
-    /// has left no free pending on any of its streams. A handle the caller
-    /// destroyed may come back as another stream's; its old entry would
-    /// carry what vmpool knew of the old stream's order (the other streams
-    /// it had waited for) to the new one, which never waited. Adopted
-    /// afresh, a stream starts knowing nothing, and the table does not grow
-    /// with every stream the caller ever made.
-    fn forget_streams(device: &Device<B>) {
+    /// Waits for every stream vmpool has seen on `device`, then empties its
+    /// stream table: the wait has left no free pending on any of them. A
+    /// handle the caller destroyed may come back as another stream's; its
+    /// old entry would carry what vmpool knew of the old stream's order
+    /// (the other streams it had waited for) to the new one, which never
+    /// waited. Adopted afresh, a stream starts knowing nothing, and the
+    /// table does not grow with every stream the caller ever made.
+    fn wait_and_forget_streams(&self, device: &Device<B>) -> vmpool::Result<()> {
+        self.context.synchronize_device(device.id)?;
         device
             .streams
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
+        Ok(())
     }
 
     /// Adds the caller's stream `handle` to the table, unless another
@@ -841,9 +843,7 @@ impl<B: Backend> Shim<B> {
     /// release threshold.
     pub fn synchronize(&self, device: i64) -> Result<(), CallError> {
         let dev = self.device(device)?;
-        self.context.synchronize_device(dev.id)?;
-        Self::forget_streams(dev);
-        Ok(())
+        Ok(self.wait_and_forget_streams(dev)?)
     }
 
     /// Releases unused memory of `device`'s pool down to `keep` bytes.
@@ -866,8 +866,7 @@ impl<B: Backend> Shim<B> {
                 continue;
             };
             if dev.open_graphs.load(Ordering::Acquire) == 0 {
-                self.context.synchronize_device(dev.id)?;
-                Self::forget_streams(dev);
+                self.wait_and_forget_streams(dev)?;
             }
             pool.trim_to(0)?;
         }
