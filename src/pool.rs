@@ -94,6 +94,14 @@ pub struct PoolProps {
     /// fewer driver calls for a larger footprint (docs/RESULTS.md has both
     /// sides measured).
     pub chunk_divisor: Option<u64>,
+    /// With a `chunk_divisor`: while the pool holds fewer bytes than this,
+    /// growth creates chunks of one granule, whatever the divisor gives. A
+    /// small pool's footprint is the most sensitive to its chunk size, and
+    /// its growth costs at most this over the granule in chunks; a coarse
+    /// divisor then pays for its fewer driver calls only where the pool is
+    /// large. Default [`DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor
+    /// alone.
+    pub granule_growth_below: u64,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
     pub va_size: Option<u64>,
@@ -130,6 +138,7 @@ impl PoolProps {
             max_size: None,
             chunk_size: None,
             chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
+            granule_growth_below: DEFAULT_GRANULE_GROWTH_BELOW,
             va_size: None,
             defragment: true,
             record: None,
@@ -195,6 +204,14 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
 /// training trace 2.4-7 times slower on the H200, all of it growth
 /// (docs/RESULTS.md, "The default since 2026-11-30").
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
+
+/// The default [`PoolProps::granule_growth_below`], 2 GiB: 1,024 chunks of
+/// 2 MiB. At the default divisor it changes nothing (a 2048th of the pool
+/// is under a granule until 4 GiB); at a coarser one, such as the C
+/// layer's 256, it keeps small pools such as GPT-2 generation's (1.2 GB)
+/// at the footprint of fine chunks (1.0179 against 1.0288 with the divisor
+/// alone; docs/RESULTS.md, "Coarser chunks for large pools").
+pub const DEFAULT_GRANULE_GROWTH_BELOW: u64 = 2 << 30;
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -460,12 +477,15 @@ struct Arena {
     chunk_size: u64,
     /// See [`PoolProps::chunk_divisor`].
     chunk_divisor: Option<u64>,
+    /// See [`PoolProps::granule_growth_below`].
+    granule_growth_below: u64,
 }
 
 impl Arena {
     /// Largest chunk a growth creates while the pool holds `reserved` bytes.
     fn growth_chunk(&self, reserved: u64, granule: u64) -> u64 {
         match self.chunk_divisor {
+            Some(_) if reserved < self.granule_growth_below => granule,
             Some(d) => (reserved / d)
                 .next_multiple_of(granule)
                 .clamp(granule, self.chunk_size),
@@ -624,6 +644,7 @@ impl<B: Backend> Pool<B> {
             end,
             chunk_size,
             chunk_divisor,
+            granule_growth_below: props.granule_growth_below,
         };
         let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
         let record = props.record.clone().or_else(|| {

@@ -245,7 +245,8 @@ impl World {
             va_size: Some(VA),
             ..PoolProps::new(DEV)
         };
-        // One pool grows by whole chunks, the other by chunks scaled to it.
+        // One pool grows by whole chunks, the other by chunks scaled to it
+        // (by the divisor alone, from the first growth).
         let pools = [
             ctx.create_pool(&PoolProps {
                 chunk_divisor: None,
@@ -254,6 +255,7 @@ impl World {
             .unwrap(),
             ctx.create_pool(&PoolProps {
                 chunk_divisor: Some(64),
+                granule_growth_below: 0,
                 ..props
             })
             .unwrap(),

@@ -125,8 +125,9 @@ pub fn invalid_requests<B: Backend>(b: &Arc<B>) {
 }
 
 /// Growth chunks: at most the pool's reserved bytes over the divisor (at
-/// least a granule, at most the chunk size), or the chunk size itself
-/// without a divisor.
+/// least a granule, at most the chunk size) once the pool holds
+/// `granule_growth_below` bytes, one granule before; or the chunk size
+/// itself without a divisor.
 pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
@@ -139,31 +140,43 @@ pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
             .map(|u| u.size)
             .collect()
     };
-    let pool = |chunk_divisor| {
+    let pool = |chunk_divisor, granule_growth_below| {
         ctx.create_pool(&PoolProps {
             va_size: Some(4 << 30),
             chunk_size: Some(16 * g),
             chunk_divisor,
+            granule_growth_below,
             ..PoolProps::new(DEV)
         })
         .unwrap()
     };
     // Divisor 4, each growth capped at what the pool held before it over 4:
     // empty, by granules; at 8 granules, by 2; at 16, by 4; at 80, by the
-    // chunk size (16, under 80 / 4).
-    let scaled = pool(Some(4));
-    let mut live = Vec::new();
-    for (granules, chunk, count) in [(8, 1, 8), (8, 2, 4), (64, 4, 16), (32, 16, 2)] {
-        let before = chunk_sizes(&scaled).len();
-        live.push(scaled.allocate(granules * g).unwrap());
-        assert_eq!(chunk_sizes(&scaled)[before..], vec![chunk * g; count]);
+    // chunk size (16, under 80 / 4). With granules below 16 of them, the
+    // second growth is by granules too.
+    for (below, growths) in [
+        (0, [(8, 1, 8), (8, 2, 4), (64, 4, 16), (32, 16, 2)]),
+        (16 * g, [(8, 1, 8), (8, 1, 8), (64, 4, 16), (32, 16, 2)]),
+    ] {
+        let scaled = pool(Some(4), below);
+        let mut live = Vec::new();
+        for (granules, chunk, count) in growths {
+            let before = chunk_sizes(&scaled).len();
+            live.push(scaled.allocate(granules * g).unwrap());
+            assert_eq!(
+                chunk_sizes(&scaled)[before..],
+                vec![chunk * g; count],
+                "granules below {below}, growth of {granules}"
+            );
+        }
+        scaled.audit().unwrap();
+        for x in live {
+            scaled.free(x).unwrap();
+        }
     }
-    scaled.audit().unwrap();
-    for x in live {
-        scaled.free(x).unwrap();
-    }
-    // No divisor: whole chunks from the first growth on.
-    let fixed = pool(None);
+    // No divisor: whole chunks from the first growth on, whatever the
+    // granule limit.
+    let fixed = pool(None, 16 * g);
     let a = fixed.allocate(20 * g).unwrap();
     assert_eq!(chunk_sizes(&fixed), vec![16 * g, 4 * g]);
     fixed.free(a).unwrap();

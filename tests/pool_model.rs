@@ -50,6 +50,9 @@ proptest! {
         // 96 MiB, a 2048th is always one granule, a quarter is up to the
         // largest chunk.
         chunk_divisor in proptest::option::of(prop_oneof![Just(4u64), Just(2048)]),
+        // With a divisor: by granules throughout, or until the pool holds
+        // 16 MiB.
+        granule_growth_below in prop_oneof![Just(0u64), Just(16 * MIB), Just(u64::MAX)],
     ) {
         let host = Host::new(HostConfig {
             devices: 1,
@@ -65,6 +68,7 @@ proptest! {
                 .create_pool(&PoolProps {
                     chunk_size: Some(chunk_granules * 2 * MIB),
                     chunk_divisor,
+                    granule_growth_below,
                     ..PoolProps::new(DEV)
                 })
                 .unwrap();

@@ -111,8 +111,10 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
         switches in proptest::array::uniform3(0..2u64),
         threshold in prop_oneof![Just(0u64), Just(64u64 << 20), Just(u64::MAX)],
-        // Whole 8 MiB chunks, or chunks of a quarter of the pool up to them.
+        // Whole 8 MiB chunks, or chunks of a quarter of the pool up to them
+        // (by granules until the pool holds 16 MiB, or from the start).
         chunk_divisor in proptest::option::of(Just(4u64)),
+        granule_growth_below in prop_oneof![Just(0u64), Just(16u64 << 20)],
     ) {
         let host = Host::new(HostConfig {
             devices: 1,
@@ -123,7 +125,7 @@ proptest! {
         .unwrap();
         {
             let ctx = Context::new(std::sync::Arc::clone(&host)).unwrap();
-            let pool = ctx.create_pool(&PoolProps { chunk_size: Some(8 << 20), chunk_divisor, ..PoolProps::new(DEV) }).unwrap();
+            let pool = ctx.create_pool(&PoolProps { chunk_size: Some(8 << 20), chunk_divisor, granule_growth_below, ..PoolProps::new(DEV) }).unwrap();
             for (attr, on) in PoolAttribute::REUSE_SWITCHES
             .into_iter()
             .zip(switches)

@@ -80,6 +80,10 @@ struct Args {
     /// largest chunk.
     #[arg(long, value_name = "N|off", value_parser = parse_divisor, default_value_t = Divisor(Some(vmpool::DEFAULT_CHUNK_DIVISOR)))]
     chunk_divisor: Divisor,
+    /// With a divisor, growth chunks of one granule while the pool holds
+    /// fewer bytes than this (`PoolProps::granule_growth_below`).
+    #[arg(long, value_name = "BYTES", default_value_t = vmpool::DEFAULT_GRANULE_GROWTH_BELOW)]
+    granule_growth_below: u64,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -374,6 +378,7 @@ fn main() -> Result<()> {
     let props = PoolProps {
         chunk_size: args.chunk_size,
         chunk_divisor: args.chunk_divisor.0,
+        granule_growth_below: args.granule_growth_below,
         defragment: !args.no_defragment,
         ..PoolProps::new(DeviceId(0))
     };
