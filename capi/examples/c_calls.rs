@@ -9,6 +9,13 @@
 //!     VMPOOL_BACKEND=host cargo run --release -p vmpool-c --example c_calls -- traces/gpt2_generate.trace.gz
 //!     VMPOOL_BACKEND=host VMPOOL_TIMING=1 cargo run --release -p vmpool-c --example c_calls -- traces/gpt2_generate.trace.gz
 //!
+//! `--touch-between KIB` touches that much other memory between calls, a
+//! cache line in each of as many scattered pages, as a program's own work
+//! does between its allocations: the calls then run on cold caches and
+//! TLBs, as under PyTorch, where they cost three to four times what they
+//! do back to back (docs/RESULTS.md, "Calls on cold caches"). The
+//! touching is not counted in the times.
+//!
 //! The same trace through the Rust API, for comparison:
 //! `vmpool-replay --stream-ordered --passes 3 TRACE`.
 
@@ -29,6 +36,35 @@ struct Args {
     /// Rounds over the trace on the same pool.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// KiB of other memory to touch between calls (0: none).
+    #[arg(long, value_name = "KIB", default_value_t = 0)]
+    touch_between: usize,
+}
+
+/// Memory a program's own work would touch between its allocation calls.
+struct Elsewhere {
+    memory: Vec<u8>,
+    at: usize,
+    lines: usize,
+}
+
+impl Elsewhere {
+    /// Writes one byte in each of `lines` cache lines, 28 KiB apart (a new
+    /// page each time, so the TLB is cold too), going round a 64 MiB buffer.
+    fn new(kib: usize) -> Self {
+        Self {
+            memory: vec![0; 64 << 20],
+            at: 0,
+            lines: kib * 1024 / 64,
+        }
+    }
+
+    fn touch(&mut self) {
+        for _ in 0..self.lines {
+            self.memory[self.at] = self.memory[self.at].wrapping_add(1);
+            self.at = (self.at + 7 * 4096 + 64) % self.memory.len();
+        }
+    }
 }
 
 const DEVICE: i32 = 0;
@@ -46,13 +82,24 @@ fn main() -> Result<()> {
     let stream: *mut c_void = std::ptr::null_mut();
     let mut live: Vec<(*mut c_void, isize)> = vec![(std::ptr::null_mut(), 0); trace.slots];
     println!(
-        "{} operations of {} through vmpool_alloc / vmpool_free, {backend} backend",
+        "{} operations of {} through vmpool_alloc / vmpool_free, {backend} backend{}",
         trace.ops.len(),
-        args.trace.display()
+        args.trace.display(),
+        match args.touch_between {
+            0 => String::new(),
+            kib => format!(", {kib} KiB of other memory touched between calls"),
+        }
     );
+    let mut elsewhere = (args.touch_between > 0).then(|| Elsewhere::new(args.touch_between));
     for round in 1..=args.rounds {
+        let mut touching = std::time::Duration::ZERO;
         let start = Instant::now();
         for op in &trace.ops {
+            if let Some(e) = &mut elsewhere {
+                let t = Instant::now();
+                e.touch();
+                touching += t.elapsed();
+            }
             match *op {
                 TraceOp::Alloc { slot, size, .. } => {
                     let size = isize::try_from(size).context("allocation size")?;
@@ -70,7 +117,7 @@ fn main() -> Result<()> {
                 }
             }
         }
-        let ns = start.elapsed().as_secs_f64() * 1e9 / trace.ops.len() as f64;
+        let ns = (start.elapsed() - touching).as_secs_f64() * 1e9 / trace.ops.len() as f64;
         println!("  round {round}: {ns:7.1} ns a call");
         // What the trace left live goes, so that the next round starts alike.
         for (ptr, size) in live.iter_mut().filter(|(ptr, _)| !ptr.is_null()) {
