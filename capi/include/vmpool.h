@@ -11,8 +11,11 @@
  *   VMPOOL_CHUNK_SIZE         largest growth chunk (default 32MiB)
  *   VMPOOL_CHUNK_DIVISOR      growth chunks of at most the pool's reserved
  *                             bytes over this, within one granule and
- *                             VMPOOL_CHUNK_SIZE (default 1024; off: every
+ *                             VMPOOL_CHUNK_SIZE (default 256; off: every
  *                             growth uses VMPOOL_CHUNK_SIZE)
+ *   VMPOOL_GRANULE_GROWTH_BELOW  with a divisor, growth by one-granule
+ *                             chunks while the pool holds fewer bytes than
+ *                             this (default 2G; 0: the divisor alone)
  *   VMPOOL_LOG                log filter, e.g. info or vmpool=debug
  *                             (default warn; errors are always logged)
  *   VMPOOL_RECORD             path prefix: each pool writes its trace there
