@@ -97,10 +97,10 @@ pub struct PoolProps {
     /// With a `chunk_divisor`: while the pool holds fewer bytes than this,
     /// growth creates chunks of one granule, whatever the divisor gives. A
     /// small pool's footprint is the most sensitive to its chunk size, and
-    /// its growth costs at most this over the granule in chunks; a coarse
-    /// divisor then pays for its fewer driver calls only where the pool is
-    /// large. Default [`DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor
-    /// alone.
+    /// growing to this size takes at most this over the granule in chunks
+    /// (1,024 at the default), so a coarse divisor saves driver calls where
+    /// they add up, in large pools. Default [`DEFAULT_GRANULE_GROWTH_BELOW`];
+    /// 0: the divisor alone.
     pub granule_growth_below: u64,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
