@@ -35,8 +35,9 @@ pub use capture::GraphCapture;
 pub use context::Context;
 pub use error::{Error, Result};
 pub use pool::{
-    Allocation, HandleType, Pool, PoolAttribute, PoolProps, PoolSnapshot, PoolStats, UnitView,
-    DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,
+    parse_chunk_divisor, Allocation, HandleType, Pool, PoolAttribute, PoolProps, PoolSnapshot,
+    PoolStats, UnitView, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW,
+    SMALL_LIMIT,
 };
 pub use stream::{Event, Stream};
 pub use vmm;

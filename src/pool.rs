@@ -205,6 +205,22 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
 /// (docs/RESULTS.md, "The default since 2026-11-30").
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
 
+/// A [`PoolProps::chunk_divisor`] as text, as `VMPOOL_CHUNK_DIVISOR` and
+/// `vmpool-replay --chunk-divisor` take it: a whole number, at least 1, or
+/// `off` for whole chunks (`None`); spaces around it are ignored. The error
+/// says what was expected.
+pub fn parse_chunk_divisor(text: &str) -> std::result::Result<Option<u64>, String> {
+    match text.trim() {
+        "off" => Ok(None),
+        t => match t.parse::<u64>() {
+            Ok(d) if d > 0 => Ok(Some(d)),
+            _ => Err(format!(
+                "{text:?}: expected a whole number, at least 1, or off"
+            )),
+        },
+    }
+}
+
 /// The default [`PoolProps::granule_growth_below`], 2 GiB: 1,024 chunks of
 /// 2 MiB. At the default divisor it changes nothing (a 2048th of the pool
 /// is under a granule until 4 GiB); at a coarser one, such as the C

@@ -185,12 +185,11 @@ impl Config {
         };
         let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
             None => Some(DEFAULT_CHUNK_DIVISOR),
-            Some(v) if v.trim() == "off" => None,
-            Some(v) => Some(at_least_one(
-                "VMPOOL_CHUNK_DIVISOR",
-                v,
-                "a whole number, at least 1, or off",
-            )?),
+            Some(v) => vmpool::parse_chunk_divisor(&v).map_err(|_| ConfigError::Other {
+                name: "VMPOOL_CHUNK_DIVISOR",
+                value: v,
+                expected: "a whole number, at least 1, or off",
+            })?,
         };
         Ok(Self {
             backend,

@@ -56,13 +56,7 @@ impl std::fmt::Display for Divisor {
 }
 
 fn parse_divisor(s: &str) -> Result<Divisor, String> {
-    if s == "off" {
-        return Ok(Divisor(None));
-    }
-    match s.parse::<u64>() {
-        Ok(d) if d > 0 => Ok(Divisor(Some(d))),
-        _ => Err(format!("{s:?} is neither a positive whole number nor off")),
-    }
+    vmpool::parse_chunk_divisor(s).map(Divisor)
 }
 
 #[derive(Parser)]
