@@ -261,6 +261,22 @@ impl Heap {
         best
     }
 
+    /// The regions, the contiguous ranges added by [`Heap::insert_free`] and
+    /// not taken out since, as (start, length) in address order.
+    pub fn regions(&self) -> Vec<(u64, u64)> {
+        let mut starts: Vec<u64> = self.region_starts.keys().copied().collect();
+        let mut ends: Vec<u64> = self.region_ends.keys().copied().collect();
+        starts.sort_unstable();
+        ends.sort_unstable();
+        // Regions do not overlap, so the n-th start goes with the n-th end.
+        debug_assert_eq!(starts.len(), ends.len());
+        starts
+            .into_iter()
+            .zip(ends)
+            .map(|(start, end)| (start, end - start))
+            .collect()
+    }
+
     /// Every region's end address whose last block is free, with that block.
     pub fn free_region_tails(&self) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
         self.region_ends.values().filter_map(|&id| {
@@ -604,6 +620,15 @@ mod tests {
                 h.check();
                 let free = model.values().filter(|u| !**u).count() as u64;
                 prop_assert_eq!(h.free_bytes(), free * q);
+                // The regions are the runs of quanta in the heap.
+                let mut runs: Vec<(u64, u64)> = Vec::new();
+                for &k in model.keys() {
+                    match runs.last_mut() {
+                        Some((start, len)) if *start + *len == k * q => *len += q,
+                        _ => runs.push((k * q, q)),
+                    }
+                }
+                prop_assert_eq!(h.regions(), runs);
             }
         }
     }

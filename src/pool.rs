@@ -1923,17 +1923,16 @@ impl<B: Backend> Inner<B> {
         let Arena {
             heap, start, end, ..
         } = &self.arenas[arena];
-        // Address ranges in use: units, and old places of moved units.
-        let mut occupied: Vec<(u64, u64)> = self
-            .units
-            .range(start..end)
-            .map(|(&va, m)| (va, m.size() as u64))
-            .chain(
-                self.aliases
-                    .range(start..end)
-                    .map(|(&va, a)| (va, a.mapping.size() as u64)),
-            )
-            .collect();
+        // Address ranges in use: the units, which the heap's regions cover
+        // exactly (a unit's range goes in when it is mapped and out when it
+        // is unmapped), a region for each run of them; and the old places of
+        // moved units, out of the heap but still mapped.
+        let mut occupied = heap.regions();
+        occupied.extend(
+            self.aliases
+                .range(start..end)
+                .map(|(&va, a)| (va, a.mapping.size() as u64)),
+        );
         // Two runs already in order: a stable sort merges them in one pass.
         occupied.sort();
         let next_unit_after = |at: u64| {

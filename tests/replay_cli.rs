@@ -94,7 +94,8 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
     let zero = run(&["--chunk-divisor", "0"]);
     assert!(!zero.status.success());
     assert!(
-        String::from_utf8_lossy(&zero.stderr).contains("expected a whole number, at least 1, or off"),
+        String::from_utf8_lossy(&zero.stderr)
+            .contains("expected a whole number, at least 1, or off"),
         "{}",
         String::from_utf8_lossy(&zero.stderr)
     );
