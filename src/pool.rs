@@ -2424,6 +2424,24 @@ impl<B: Backend> Inner<B> {
                 "free {free} + allocated {allocated} != {mapped} bytes mapped"
             ));
         }
+        // Planning takes the ranges in use from the heaps' regions: each
+        // must be a run of adjacent units, and every run one region.
+        for arena in &self.arenas {
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for (&va, m) in self.units.range(arena.start..arena.end) {
+                let len = m.size() as u64;
+                match runs.last_mut() {
+                    Some((start, run)) if *start + *run == va => *run += len,
+                    _ => runs.push((va, len)),
+                }
+            }
+            if arena.heap.regions() != runs {
+                problems.push(format!(
+                    "the heap's regions in [{:#x}, {:#x}) are not the runs of its units",
+                    arena.start, arena.end
+                ));
+            }
+        }
         if self.stats.chunks_created - self.stats.chunks_released != chunks.len() as u64 {
             problems.push(format!(
                 "{} chunks created, {} released, {} held",
