@@ -54,6 +54,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::ops::RangeBounds;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -1839,16 +1840,7 @@ impl<B: Backend> Inner<B> {
                 .find(|d| d.device == desc.device)
                 .map_or(Access::None, |d| d.access),
         };
-        let mut runs: Vec<(u64, u64, Vec<&Mapping<B>>)> = Vec::new();
-        for (&va, m) in &self.units {
-            match runs.last_mut() {
-                Some((_, end, run)) if *end == va => {
-                    *end += m.size() as u64;
-                    run.push(m);
-                }
-                _ => runs.push((va, va + m.size() as u64, vec![m])),
-            }
-        }
+        let runs = self.unit_runs(..);
         for (i, (_, _, run)) in runs.iter().enumerate() {
             if let Err(err) = set_run_access(run, desc) {
                 for (_, _, done) in &runs[..i] {
@@ -1864,6 +1856,22 @@ impl<B: Backend> Inner<B> {
             None => self.access.push(desc),
         }
         Ok(())
+    }
+
+    /// The units in `range` in runs of adjacent ones: each run's start, end
+    /// and mappings, in address order.
+    fn unit_runs(&self, range: impl RangeBounds<u64>) -> Vec<(u64, u64, Vec<&Mapping<B>>)> {
+        let mut runs: Vec<(u64, u64, Vec<&Mapping<B>>)> = Vec::new();
+        for (&va, m) in self.units.range(range) {
+            match runs.last_mut() {
+                Some((_, end, run)) if *end == va => {
+                    *end += m.size() as u64;
+                    run.push(m);
+                }
+                _ => runs.push((va, va + m.size() as u64, vec![m])),
+            }
+        }
+        runs
     }
 
     fn free(&mut self, arena: usize, block: BlockId) {
@@ -2427,14 +2435,11 @@ impl<B: Backend> Inner<B> {
         // Planning takes the ranges in use from the heaps' regions: each
         // must be a run of adjacent units, and every run one region.
         for arena in &self.arenas {
-            let mut runs: Vec<(u64, u64)> = Vec::new();
-            for (&va, m) in self.units.range(arena.start..arena.end) {
-                let len = m.size() as u64;
-                match runs.last_mut() {
-                    Some((start, run)) if *start + *run == va => *run += len,
-                    _ => runs.push((va, len)),
-                }
-            }
+            let runs: Vec<(u64, u64)> = self
+                .unit_runs(arena.start..arena.end)
+                .into_iter()
+                .map(|(start, end, _)| (start, end - start))
+                .collect();
             if arena.heap.regions() != runs {
                 problems.push(format!(
                     "the heap's regions in [{:#x}, {:#x}) are not the runs of its units",
