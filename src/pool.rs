@@ -1943,13 +1943,13 @@ impl<B: Backend> Inner<B> {
         );
         // Two runs already in order: a stable sort merges them in one pass.
         occupied.sort();
-        let next_unit_after = |at: u64| {
+        let next_in_use_after = |at: u64| {
             let i = occupied.partition_point(|&(va, _)| va < at);
             occupied.get(i).map_or(*end, |&(va, _)| va)
         };
         let mut tails: Vec<(u64, u64, u64)> = heap
             .free_region_tails()
-            .map(|(start, len, _)| (start, len, next_unit_after(start + len) - (start + len)))
+            .map(|(start, len, _)| (start, len, next_in_use_after(start + len) - (start + len)))
             .collect();
         // Deterministic order for ties (the heap keeps tails in a hash map).
         tails.sort_unstable();
