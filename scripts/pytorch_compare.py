@@ -17,7 +17,8 @@ Runs each workload in a process of its own under each allocator:
 and reports, per run: peak reserved (the allocator's own figure, and the
 device's used memory from cuMemGetInfo, sampled after every step, less what
 was in use before the model was built), peak allocated (the allocator's own
-figure), their ratio, and the mean time per step after the warm-up steps.
+figure), their ratio, and the mean time per step after the warm-up steps
+(Python's garbage collector runs between steps, not inside them).
 Models are random-initialised from their configurations; nothing is
 downloaded. Every run uses the same seed and the same sequence of shapes,
 so the per-step losses (or generated tokens) must match native's.
@@ -38,6 +39,7 @@ when a run fails or a loss differs.
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -237,11 +239,19 @@ def child(args):
     quiet["steps"] = 0
     for index, shape in enumerate(shapes):
         before = vmpool.stats() if vmpool is not None else None
+        # Python's collector runs outside the timed window: when it runs
+        # depends on every Python object made, vmpool's statistics between
+        # steps included, so inside the window it would land on different
+        # steps under different allocators and cost one of them tens of
+        # milliseconds the other does not pay.
+        gc.collect()
+        gc.disable()
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(step(shape))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        gc.enable()
         if vmpool is not None:
             after = vmpool.stats()
             step_maps.append(mapped(after) - mapped(before))
@@ -256,8 +266,6 @@ def child(args):
     # What torch.cuda.empty_cache() gives back (vmpool_torch.install hooks
     # it), with the workload's tensors gone.
     del step
-    import gc
-
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
