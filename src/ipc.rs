@@ -153,23 +153,24 @@ fn pool_token(pool_id: u64) -> u64 {
 
 // ---- the exporting side --------------------------------------------------------
 
-/// A pool's exported allocations and their leases.
+/// A pool's exported allocations and their leases. Every free reads
+/// `live`; the rest, boxed, only while something is exported.
 pub(crate) struct Exports<B: Backend> {
     /// Entries in `state.by_ptr`: a free looks no further while it is 0.
     live: AtomicUsize,
-    state: Mutex<ExportState<B>>,
+    state: Box<Mutex<ExportState<B>>>,
 }
 
 impl<B: Backend> Default for Exports<B> {
     fn default() -> Self {
         Self {
             live: AtomicUsize::new(0),
-            state: Mutex::new(ExportState {
+            state: Box::new(Mutex::new(ExportState {
                 by_ptr: HashMap::new(),
                 next_serial: 0,
                 ending: 0,
                 connections: Vec::new(),
-            }),
+            })),
         }
     }
 }

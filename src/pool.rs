@@ -436,9 +436,12 @@ impl Allocation {
 }
 
 /// What does not change after creation; outside the lock.
+/// `repr(C)`: `device`, which every call reads, first, on [`Shared`]'s
+/// first cache line.
+#[repr(C)]
 struct Space<B: Backend> {
-    backend: Arc<B>,
     device: DeviceId,
+    backend: Arc<B>,
     reservation: Arc<Reservation<B>>,
     granule: u64,
     defragment: bool,
@@ -601,16 +604,24 @@ struct Inner<B: Backend> {
     access: Vec<AccessDesc>,
 }
 
+/// `repr(C)` and aligned to a cache line: what an allocation and a free
+/// read outside the lock (the id, the size limit, whether to record,
+/// whether anything is exported, the device) comes first and shares one
+/// line. Under PyTorch a call finds the pool cold, and every line it reads
+/// is a load from far away (docs/RESULTS.md, "Calls on cold caches").
+#[repr(C, align(64))]
 pub(crate) struct Shared<B: Backend> {
     id: u64,
+    /// The reservation's size: no allocation is larger.
+    va_size: u64,
+    recorder: Option<Box<Mutex<Recorder>>>,
+    /// Allocations exported to other processes and their leases (`ipc.rs`).
+    pub(crate) exports: Exports<B>,
     space: Space<B>,
     inner: Mutex<Inner<B>>,
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
     siblings: Weak<Siblings<B>>,
-    recorder: Option<Mutex<Recorder>>,
-    /// Allocations exported to other processes and their leases (`ipc.rs`).
-    pub(crate) exports: Exports<B>,
 }
 
 /// The pools of one device.
@@ -684,15 +695,18 @@ impl<B: Backend> Pool<B> {
                 recorder.line(format_args!(
                     "# vmpool pool {id} on {device}: a <id> <bytes> <stream> | f <id> <stream>\n"
                 ));
-                Some(Mutex::new(recorder))
+                Some(Box::new(Mutex::new(recorder)))
             }
             None => None,
         };
         let shared = Arc::new(Shared {
             id,
+            va_size,
+            recorder,
+            exports: Exports::default(),
             space: Space {
-                backend: Arc::clone(backend),
                 device,
+                backend: Arc::clone(backend),
                 reservation,
                 granule,
                 defragment: props.defragment,
@@ -727,8 +741,6 @@ impl<B: Backend> Pool<B> {
                 access: vec![AccessDesc::read_write(device)],
             }),
             siblings: Arc::downgrade(siblings),
-            recorder,
-            exports: Exports::default(),
         });
         let mut list = siblings.lock().unwrap_or_else(|p| p.into_inner());
         list.retain(|w| w.strong_count() > 0);
@@ -874,7 +886,7 @@ impl<B: Backend> Pool<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Allocation> {
-        let va_size = self.0.space.reservation.size() as u64;
+        let va_size = self.0.va_size;
         if size == 0 {
             return Err(Error::InvalidSize {
                 requested: size,
@@ -1190,7 +1202,7 @@ impl<B: Backend> Pool<B> {
         free.sort_unstable();
         PoolSnapshot {
             base: self.0.space.base(),
-            va_size: self.0.space.reservation.size() as u64,
+            va_size: self.0.va_size,
             arenas: inner.arenas.iter().map(|a| (a.start, a.end)).collect(),
             units: inner
                 .units

@@ -113,8 +113,14 @@ pub enum BackendChoice {
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 256;
 
 /// The library's settings, from the environment (README.md, "PyTorch").
+/// `repr(C)`: `timing`, which every call reads, first.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[repr(C)]
 pub struct Config {
+    /// `VMPOOL_TIMING`: `1` to time every `vmpool_alloc` and `vmpool_free`
+    /// (two clock reads a call) and report the total in the statistics;
+    /// default `0`.
+    pub timing: bool,
     /// `VMPOOL_BACKEND`: `cuda` (default) or `host`.
     pub backend: BackendChoice,
     /// `VMPOOL_RELEASE_THRESHOLD`: bytes each pool keeps across
@@ -137,10 +143,6 @@ pub struct Config {
     /// backend's devices; default 1 of 4 GiB.
     pub host_devices: u32,
     pub host_memory: u64,
-    /// `VMPOOL_TIMING`: `1` to time every `vmpool_alloc` and `vmpool_free`
-    /// (two clock reads a call) and report the total in the statistics;
-    /// default `0`.
-    pub timing: bool,
 }
 
 impl Config {
@@ -259,21 +261,26 @@ struct GraphPool<B: Backend> {
 /// the one `unsafe` step, which it keeps to itself.
 pub type Borrow<B> = fn(&B, DeviceId, usize) -> vmpool::vmm::Result<<B as Backend>::Stream>;
 
+/// `repr(C)` and aligned to a cache line: what every call reads (whether a
+/// graph pool is open, the pool, the live table, the stream table) comes
+/// first, on two lines; a call under PyTorch finds them cold
+/// (docs/RESULTS.md, "Calls on cold caches").
+#[repr(C, align(64))]
 struct Device<B: Backend> {
-    id: DeviceId,
+    /// How many graph pools are open (see `graphs`).
+    open_graphs: AtomicUsize,
     pool: OnceLock<Pool<B>>,
-    /// Serialises the pool's creation, which can fail and is retried.
-    creating: Mutex<()>,
+    /// What vmpool handed out and the caller has not freed, by pointer.
+    live: Mutex<FxHashMap<u64, Live<B>>>,
     /// The caller's streams by handle, adopted on first use and forgotten
     /// at each wait for the whole device ([`Shim::wait_and_forget_streams`]).
     streams: RwLock<FxHashMap<usize, Stream<B>>>,
-    /// What vmpool handed out and the caller has not freed, by pointer.
-    live: Mutex<FxHashMap<u64, Live<B>>>,
-    /// CUDA graphs' private pools, by PyTorch's id, and how many are open:
-    /// only while one is does an allocation ask whether its stream is
-    /// capturing.
+    id: DeviceId,
+    /// Serialises the pool's creation, which can fail and is retried.
+    creating: Mutex<()>,
+    /// CUDA graphs' private pools, by PyTorch's id: only while one is open
+    /// does an allocation ask whether its stream is capturing.
     graphs: Mutex<FxHashMap<GraphPoolId, GraphPool<B>>>,
-    open_graphs: AtomicUsize,
     /// Frees of allocations with recorded users (`record_stream`) made
     /// while a capture is under way, with the stream each was freed on:
     /// done when the capture ends. During a capture the freeing stream may
@@ -338,11 +345,14 @@ impl<B: Backend> Device<B> {
     }
 }
 
+/// `repr(C)`: the devices and the settings (whose first field, `timing`,
+/// every call reads) first.
+#[repr(C)]
 pub struct Shim<B: Backend> {
-    context: Context<B>,
-    config: Config,
-    borrow: Borrow<B>,
     devices: Vec<Device<B>>,
+    config: Config,
+    context: Context<B>,
+    borrow: Borrow<B>,
 }
 
 /// A pool's figures as the C interface reports them.
@@ -368,13 +378,13 @@ impl<B: Backend> Shim<B> {
         let count = context.backend().device_count()?;
         let devices = (0..count)
             .map(|d| Device {
-                id: DeviceId(d),
-                pool: OnceLock::new(),
-                creating: Mutex::new(()),
-                streams: RwLock::default(),
-                live: Mutex::default(),
-                graphs: Mutex::default(),
                 open_graphs: AtomicUsize::new(0),
+                pool: OnceLock::new(),
+                live: Mutex::default(),
+                streams: RwLock::default(),
+                id: DeviceId(d),
+                creating: Mutex::new(()),
+                graphs: Mutex::default(),
                 idle_events: Mutex::default(),
                 deferred_frees: Mutex::default(),
                 refused_frees: AtomicU64::new(0),
@@ -385,10 +395,10 @@ impl<B: Backend> Shim<B> {
             })
             .collect();
         Ok(Self {
-            context,
-            config,
-            borrow,
             devices,
+            config,
+            context,
+            borrow,
         })
     }
 
