@@ -436,6 +436,7 @@ impl Allocation {
 }
 
 /// What does not change after creation; outside the lock.
+///
 /// `repr(C)`: `device`, which every call reads, first, on [`Shared`]'s
 /// first cache line.
 #[repr(C)]

@@ -113,6 +113,7 @@ pub enum BackendChoice {
 pub const DEFAULT_CHUNK_DIVISOR: u64 = 256;
 
 /// The library's settings, from the environment (README.md, "PyTorch").
+///
 /// `repr(C)`: `timing`, which every call reads, first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[repr(C)]
