@@ -479,6 +479,9 @@ def table(results):
                 summary[allocator] = (max(runs, key=lambda r: r["ratio"]), step_time(runs),
                                       min(times), max(times), runs)
         native = summary.get("native")
+        # Each allocator's bootstrap interval against native's, for its row
+        # and its time bar.
+        intervals = {}
         for allocator, (worst, step, low, high, runs) in summary.items():
             if native is None:
                 check, speed = "no native run", "-"
@@ -491,7 +494,7 @@ def table(results):
                 check = "DIFFER" if "DIFFER" in checks else ("within 1e-3" if "within 1e-3" in checks else "equal")
                 failed |= check == "DIFFER"
                 speed = f"{step / native[1]:.3f}"
-                interval = speed_interval(runs, native[4])
+                interval = intervals[allocator] = speed_interval(runs, native[4])
                 if interval:
                     speed += f" ({interval[0]:.3f}-{interval[1]:.3f})"
             print(f"| {workload} | {allocator} | {worst['peak_reserved'] / MIB:.1f} | {worst['device_peak'] / MIB:.1f} "
@@ -521,7 +524,7 @@ def table(results):
             if native is None or not is_vmpool(allocator) or workload in PROBES:
                 continue
             speed = v[1] / native[1]
-            interval = speed_interval(v[4], native[4])
+            interval = intervals[allocator]
             reach = (f"; its interval {interval[0]:.3f}-{interval[1]:.3f} "
                      f"{'stays under' if interval[1] <= 1.03 else 'reaches past'} 1.03" if interval else
                      "; no interval with fewer than three runs a side")
