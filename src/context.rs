@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex, Weak};
 use vmm::{Backend, DeviceId, EventStatus};
 
 use crate::capture::{Captures, GraphCapture};
-use crate::pool::{Allocation, Pool, PoolProps, Shared, Siblings};
-use crate::stream::{lock, Event, Stream, StreamShared};
+use crate::ordering::{Event, Stream, StreamShared};
+use crate::pool::{Pool, Siblings, WeakPool};
+use crate::sync::lock;
+use crate::{Allocation, PoolProps};
 use crate::{Error, Result};
 
 struct DeviceSlot<B: Backend> {
@@ -232,10 +234,9 @@ impl<B: Backend> Context<B> {
             .flat_map(|slot| {
                 lock(&slot.pools)
                     .iter()
-                    .filter_map(Weak::upgrade)
-                    .collect::<Vec<Arc<Shared<B>>>>()
+                    .filter_map(WeakPool::upgrade)
+                    .collect::<Vec<Pool<B>>>()
             })
-            .map(Pool::from_shared)
             .collect()
     }
 

@@ -21,23 +21,33 @@
 //! allocator whose bookkeeping cannot corrupt memory is easier to trust.
 #![deny(unsafe_code)]
 
+mod allocation;
+mod arena;
 mod capture;
 mod context;
 mod error;
+mod exports;
+mod growth;
 mod heap;
 pub mod ipc;
+mod ordering;
 mod plan;
 mod pool;
-mod stream;
+mod props;
+mod space;
+mod stats;
+mod sync;
 pub mod trace;
 
+pub use allocation::Allocation;
 pub use capture::GraphCapture;
 pub use context::Context;
 pub use error::{Error, Result};
-pub use pool::{
-    parse_chunk_divisor, Allocation, HandleType, Pool, PoolAttribute, PoolProps, PoolSnapshot,
-    PoolStats, UnitView, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW,
-    SMALL_LIMIT,
+pub use ordering::{Event, Stream};
+pub use pool::Pool;
+pub use props::{
+    parse_chunk_divisor, HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE,
+    DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,
 };
-pub use stream::{Event, Stream};
+pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, UnitView};
 pub use vmm;

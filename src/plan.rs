@@ -53,20 +53,49 @@ impl Plan {
     }
 }
 
+/// A free block that ends a mapped region, and the unmapped room after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Tail {
+    pub start: u64,
+    pub len: u64,
+    pub room_after: u64,
+}
+
+/// An unmapped range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gap {
+    pub start: u64,
+    pub len: u64,
+}
+
+/// A free unit (no live byte) that may move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitSize {
+    pub va: u64,
+    pub size: u64,
+}
+
 /// What the pool holds that growth may use.
 pub struct Inputs<'a> {
-    /// Free blocks that end a mapped region: (start, size, unmapped room after).
-    pub tails: &'a [(u64, u64, u64)],
-    /// Unmapped ranges: (start, length), in address order.
-    pub gaps: &'a [(u64, u64)],
+    pub tails: &'a [Tail],
+    /// In address order.
+    pub gaps: &'a [Gap],
     /// Sizes of the spare chunks.
     pub spares: &'a [u64],
-    /// Free units (no live byte): (address, size), in the order to move
-    /// them where sizes tie.
-    pub units: &'a [(u64, u64)],
+    /// In the order to move them where sizes tie.
+    pub units: &'a [UnitSize],
     pub granule: u64,
     /// Largest chunk a growth creates.
     pub chunk_size: u64,
+}
+
+/// A place a new range could go: where, how many bytes it must map there,
+/// how many it may, and the units that may back it.
+struct Candidate {
+    target: Target,
+    need: u64,
+    room: u64,
+    units: Vec<UnitSize>,
 }
 
 /// Plans room for a `request`-byte allocation: extend the free tail that
@@ -74,49 +103,45 @@ pub struct Inputs<'a> {
 /// with spare chunks, then free units, then new chunks. `None` when no
 /// place in the address space can hold it.
 pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
-    let mut tails: Vec<(u64, u64, u64, u64)> = inputs
+    let mut tails: Vec<(Tail, u64)> = inputs
         .tails
         .iter()
-        .filter(|&&(_, size, _)| size < request)
-        .map(|&(start, size, room)| {
-            (
-                start,
-                size,
-                room,
-                (request - size).next_multiple_of(inputs.granule),
-            )
-        })
-        .filter(|&(_, _, room, need)| need <= room)
+        .filter(|t| t.len < request)
+        .map(|&t| (t, (request - t.len).next_multiple_of(inputs.granule)))
+        .filter(|&(t, need)| need <= t.room_after)
         .collect();
-    tails.sort_by_key(|t| t.3);
-    let extend = tails.into_iter().map(|(start, size, room, need)| {
-        let own = |&&(va, _): &&(u64, u64)| !(start..start + size).contains(&va);
-        let units: Vec<(u64, u64)> = inputs.units.iter().filter(own).copied().collect();
-        (
-            Target {
-                start: start + size,
-                extends: size,
+    tails.sort_by_key(|&(_, need)| need);
+    let extend = tails.into_iter().map(|(t, need)| {
+        let own = |u: &&UnitSize| !(t.start..t.start + t.len).contains(&u.va);
+        Candidate {
+            target: Target {
+                start: t.start + t.len,
+                extends: t.len,
             },
             need,
-            room,
-            units,
-        )
+            room: t.room_after,
+            units: inputs.units.iter().filter(own).copied().collect(),
+        }
     });
-    let fresh = inputs.gaps.iter().map(|&(start, len)| {
-        (
-            Target { start, extends: 0 },
-            request.next_multiple_of(inputs.granule),
-            len,
-            inputs.units.to_vec(),
-        )
+    let fresh = inputs.gaps.iter().map(|g| Candidate {
+        target: Target {
+            start: g.start,
+            extends: 0,
+        },
+        need: request.next_multiple_of(inputs.granule),
+        room: g.len,
+        units: inputs.units.to_vec(),
     });
     extend
         .chain(fresh)
-        .filter(|&(_, need, room, _)| need <= room)
-        .find_map(|(target, need, room, units)| {
-            let sources = plan_sources(need, inputs.spares, &units, inputs.chunk_size);
-            let plan = Plan { target, sources };
-            (plan.len() <= room).then_some(plan)
+        .filter(|c| c.need <= c.room)
+        .find_map(|c| {
+            let sources = plan_sources(c.need, inputs.spares, &c.units, inputs.chunk_size);
+            let plan = Plan {
+                target: c.target,
+                sources,
+            };
+            (plan.len() <= c.room).then_some(plan)
         })
 }
 
@@ -126,12 +151,7 @@ pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
 /// smallest that covers what is left, else the largest, so few chunks move
 /// and little is over-covered; among equal sizes, the first in the order
 /// given. Nothing is created while unused memory would do.
-pub fn plan_sources(
-    need: u64,
-    spares: &[u64],
-    units: &[(u64, u64)],
-    chunk_size: u64,
-) -> Vec<Source> {
+pub fn plan_sources(need: u64, spares: &[u64], units: &[UnitSize], chunk_size: u64) -> Vec<Source> {
     let mut left = need;
     let mut plan = Vec::new();
     let mut spare_left: Vec<(usize, u64)> = spares.iter().copied().enumerate().collect();
@@ -143,7 +163,7 @@ pub fn plan_sources(
         plan.push(Source::Spare { index, size });
         left = left.saturating_sub(size);
     }
-    let mut unit_left: Vec<(u64, u64)> = units.to_vec();
+    let mut unit_left: Vec<(u64, u64)> = units.iter().map(|u| (u.va, u.size)).collect();
     while left > 0 {
         let Some(pick) = best_cover(&unit_left, left) else {
             break;
@@ -185,11 +205,27 @@ mod tests {
 
     const G: u64 = 2 << 20;
 
+    fn tail(start: u64, len: u64, room_after: u64) -> Tail {
+        Tail {
+            start,
+            len,
+            room_after,
+        }
+    }
+
+    fn gap(start: u64, len: u64) -> Gap {
+        Gap { start, len }
+    }
+
+    fn unit(va: u64, size: u64) -> UnitSize {
+        UnitSize { va, size }
+    }
+
     fn inputs<'a>(
-        tails: &'a [(u64, u64, u64)],
-        gaps: &'a [(u64, u64)],
+        tails: &'a [Tail],
+        gaps: &'a [Gap],
         spares: &'a [u64],
-        units: &'a [(u64, u64)],
+        units: &'a [UnitSize],
     ) -> Inputs<'a> {
         Inputs {
             tails,
@@ -203,7 +239,7 @@ mod tests {
 
     #[test]
     fn extends_the_tail_needing_least() {
-        let tails = [(0, 2 * G, 100 * G), (200 * G, 7 * G, 100 * G)];
+        let tails = [tail(0, 2 * G, 100 * G), tail(200 * G, 7 * G, 100 * G)];
         let plan = plan_growth(10 * G, &inputs(&tails, &[], &[], &[])).unwrap();
         assert_eq!(
             plan.target,
@@ -217,8 +253,8 @@ mod tests {
 
     #[test]
     fn a_tail_without_room_is_skipped() {
-        let tails = [(0, 8 * G, G)];
-        let gaps = [(50 * G, 9 * G), (70 * G, 10 * G)];
+        let tails = [tail(0, 8 * G, G)];
+        let gaps = [gap(50 * G, 9 * G), gap(70 * G, 10 * G)];
         let plan = plan_growth(10 * G, &inputs(&tails, &gaps, &[], &[])).unwrap();
         assert_eq!(
             plan.target,
@@ -227,15 +263,15 @@ mod tests {
                 extends: 0
             }
         );
-        assert!(plan_growth(10 * G, &inputs(&[], &[(0, 9 * G)], &[], &[])).is_none());
+        assert!(plan_growth(10 * G, &inputs(&[], &[gap(0, 9 * G)], &[], &[])).is_none());
     }
 
     #[test]
     fn whole_chunks_must_fit_the_room() {
         // A 6-granule spare would over-cover the 2-granule need past the room
         // of the tail, so the fresh gap is used instead.
-        let tails = [(0, 8 * G, 3 * G)];
-        let gaps = [(100 * G, 50 * G)];
+        let tails = [tail(0, 8 * G, 3 * G)];
+        let gaps = [gap(100 * G, 50 * G)];
         let plan = plan_growth(10 * G, &inputs(&tails, &gaps, &[6 * G], &[])).unwrap();
         assert_eq!(plan.target.start, 100 * G);
         assert_eq!(
@@ -252,8 +288,8 @@ mod tests {
 
     #[test]
     fn units_of_the_extended_tail_do_not_move() {
-        let tails = [(0, 4 * G, 100 * G)];
-        let units = [(0, 4 * G), (50 * G, 8 * G)];
+        let tails = [tail(0, 4 * G, 100 * G)];
+        let units = [unit(0, 4 * G), unit(50 * G, 8 * G)];
         let plan = plan_growth(10 * G, &inputs(&tails, &[], &[], &units)).unwrap();
         assert_eq!(
             plan.sources,
@@ -266,7 +302,12 @@ mod tests {
 
     #[test]
     fn unused_memory_before_new() {
-        let plan = plan_sources(10 * G, &[G, 3 * G], &[(100 * G, 2 * G), (50 * G, 8 * G)], G);
+        let plan = plan_sources(
+            10 * G,
+            &[G, 3 * G],
+            &[unit(100 * G, 2 * G), unit(50 * G, 8 * G)],
+            G,
+        );
         assert_eq!(
             plan,
             vec![
@@ -301,11 +342,11 @@ mod tests {
             chunk in 1..20u64,
         ) {
             let spares: Vec<u64> = spares.iter().map(|s| s * G).collect();
-            let units: Vec<(u64, u64)> = units.iter().enumerate().map(|(i, l)| (i as u64 * 100 * G, l * G)).collect();
+            let units: Vec<UnitSize> = units.iter().enumerate().map(|(i, l)| unit(i as u64 * 100 * G, l * G)).collect();
             let plan = plan_sources(need * G, &spares, &units, chunk * G);
             let total: u64 = plan.iter().map(Source::size).sum();
             prop_assert!(total >= need * G);
-            let available: u64 = spares.iter().sum::<u64>() + units.iter().map(|u| u.1).sum::<u64>();
+            let available: u64 = spares.iter().sum::<u64>() + units.iter().map(|u| u.size).sum::<u64>();
             let created: u64 = plan.iter().map(|s| match s { Source::New { size } => *size, _ => 0 }).sum();
             prop_assert_eq!(created, (need * G).saturating_sub(available));
             for s in &plan {

@@ -7,6 +7,9 @@
 //! ```
 //!
 //! Ids are renumbered into dense slots so that a replay indexes a `Vec`.
+//! Pools write this format when they record (`record.rs`).
+
+pub(crate) mod record;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};

@@ -1,0 +1,40 @@
+//! A live allocation: what the caller holds between allocate and free.
+
+use vmm::{DeviceId, DevicePtr};
+
+use crate::arena::ArenaId;
+use crate::heap::BlockId;
+
+/// A live allocation. Not `Clone`: it is consumed by [`crate::Pool::free`],
+/// so a double free does not compile.
+#[derive(Debug)]
+pub struct Allocation {
+    pub(crate) ptr: DevicePtr,
+    pub(crate) size: u64,
+    /// The heap block's size: the request rounded up, or a little more when
+    /// a pending block of a near size was reused.
+    pub(crate) block_size: u64,
+    pub(crate) arena: ArenaId,
+    pub(crate) block: BlockId,
+    /// The id of the pool it came from.
+    pub(crate) pool: u64,
+    /// Its id in the pool's recorded trace (0 when not recording).
+    pub(crate) trace_id: u64,
+    pub(crate) device: DeviceId,
+}
+
+impl Allocation {
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size asked for.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The device of the pool it came from.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+}

@@ -1,0 +1,112 @@
+//! The two parts of a pool's reservation, each with its own heap of mapped
+//! free space: small allocations, then large ones (Note [Placement] in
+//! docs/DESIGN.md).
+
+use std::ops::{Index, IndexMut};
+
+use crate::heap::Heap;
+use crate::props::SMALL_LIMIT;
+
+/// Which arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArenaId {
+    /// Allocations under [`SMALL_LIMIT`], packed on granule-sized chunks.
+    Small,
+    Large,
+}
+
+impl ArenaId {
+    /// The arena an allocation of `size` bytes goes to.
+    pub(crate) fn for_size(size: u64) -> Self {
+        if size >= SMALL_LIMIT {
+            Self::Large
+        } else {
+            Self::Small
+        }
+    }
+
+    pub(crate) fn other(self) -> Self {
+        match self {
+            Self::Small => Self::Large,
+            Self::Large => Self::Small,
+        }
+    }
+}
+
+/// How an arena's growth sizes its new chunks (Note [Growth chunk size] in
+/// docs/DESIGN.md).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkPolicy {
+    /// Largest chunk a growth creates.
+    pub(crate) chunk_size: u64,
+    /// See [`crate::PoolProps::chunk_divisor`].
+    pub(crate) chunk_divisor: Option<u64>,
+    /// See [`crate::PoolProps::granule_growth_below`].
+    pub(crate) granule_growth_below: u64,
+}
+
+impl ChunkPolicy {
+    /// Largest chunk a growth creates while the pool holds `reserved` bytes.
+    pub(crate) fn growth_chunk(&self, reserved: u64, granule: u64) -> u64 {
+        match self.chunk_divisor {
+            Some(_) if reserved < self.granule_growth_below => granule,
+            Some(d) => (reserved / d)
+                .next_multiple_of(granule)
+                .clamp(granule, self.chunk_size),
+            None => self.chunk_size,
+        }
+    }
+}
+
+/// One part of the reservation, `[start, end)`, with its own heap.
+pub(crate) struct Arena {
+    pub(crate) heap: Heap,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) policy: ChunkPolicy,
+}
+
+/// Both arenas, indexed by [`ArenaId`].
+pub(crate) struct Arenas {
+    small: Arena,
+    large: Arena,
+}
+
+impl Arenas {
+    pub(crate) fn new(small: Arena, large: Arena) -> Self {
+        Self { small, large }
+    }
+
+    /// The arena `va` lies in.
+    pub(crate) fn of(&self, va: u64) -> ArenaId {
+        if va < self.small.end {
+            ArenaId::Small
+        } else {
+            ArenaId::Large
+        }
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Arena> {
+        [&self.small, &self.large].into_iter()
+    }
+}
+
+impl Index<ArenaId> for Arenas {
+    type Output = Arena;
+
+    fn index(&self, id: ArenaId) -> &Arena {
+        match id {
+            ArenaId::Small => &self.small,
+            ArenaId::Large => &self.large,
+        }
+    }
+}
+
+impl IndexMut<ArenaId> for Arenas {
+    fn index_mut(&mut self, id: ArenaId) -> &mut Arena {
+        match id {
+            ArenaId::Small => &mut self.small,
+            ArenaId::Large => &mut self.large,
+        }
+    }
+}

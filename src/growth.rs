@@ -1,0 +1,430 @@
+//! Growing a pool's mapped space, and shrinking it: where a new range goes
+//! and which chunks back it (spares, free units moved from elsewhere, new
+//! chunks), and which chunks a trim gives back. The choice itself is the
+//! pure planner's ([`crate::plan`]); this module gathers its inputs from
+//! the pool's tables and carries its plan out (Note [Growth and
+//! remapping] in docs/DESIGN.md).
+
+use std::sync::Arc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use vmm::memory::Chunk;
+use vmm::Backend;
+
+use crate::arena::{ArenaId, Arenas};
+use crate::heap::BlockId;
+use crate::ordering::{Guard, Guards, StreamPos};
+use crate::plan::{self, Gap, Plan, Source, Tail, UnitSize};
+use crate::space::Space;
+use crate::{Error, Result};
+
+/// What growth has done, for [`crate::PoolStats`].
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GrowthCounters {
+    pub(crate) grows: u64,
+    pub(crate) remaps: u64,
+    pub(crate) bytes_remapped: u64,
+    pub(crate) trims: u64,
+}
+
+/// A unit with no live byte: all of it inside the free heap block `block`.
+#[derive(Debug, Clone, Copy)]
+struct FreeUnit {
+    va: u64,
+    len: u64,
+    block: BlockId,
+}
+
+/// A unit taken out of its place, with the guard position it was under
+/// there if its old mapping stays as an alias.
+struct MovedUnit<B: Backend> {
+    from: u64,
+    chunk: Arc<Chunk<B>>,
+    under: Option<StreamPos>,
+}
+
+/// The chunks gathered for a growth, in mapping order, each with the guard
+/// position it was under at its old place.
+struct Gathered<B: Backend> {
+    chunks: Vec<Arc<Chunk<B>>>,
+    under: Vec<Option<StreamPos>>,
+}
+
+/// The parts of a pool that growing and trimming change, borrowed together
+/// under the pool's lock.
+pub(crate) struct Growth<'a, B: Backend> {
+    pub(crate) space: &'a mut Space<B>,
+    pub(crate) arenas: &'a mut Arenas,
+    pub(crate) guards: &'a mut Guards,
+    pub(crate) counters: &'a mut GrowthCounters,
+    /// Whether unused chunks may move ([`crate::PoolProps::defragment`]).
+    pub(crate) defragment: bool,
+}
+
+impl<B: Backend> Growth<'_, B> {
+    /// Maps new space in `arena` so that a free block of at least `size`
+    /// bytes exists, and returns it. `mover`: the stream growing, whose own
+    /// guarded units may move. On failure the tables are consistent and
+    /// every chunk is still accounted for (mapped, spare or released).
+    #[cold]
+    pub(crate) fn grow(
+        &mut self,
+        arena: ArenaId,
+        size: u64,
+        mover: Option<u64>,
+    ) -> Result<BlockId> {
+        // Without defragmentation, nothing unused is moved: new memory only.
+        let free = if self.defragment {
+            self.free_units(mover)
+        } else {
+            Vec::new()
+        };
+        let plan = self.plan(arena, size, &free)?;
+        let span = tracing::debug_span!(
+            "grow",
+            size,
+            at = format_args!("{:#x}", plan.target.start),
+            new = plan.len(),
+            extends = plan.target.extends
+        );
+        let _enter = span.enter();
+        let gathered = self.gather(&plan.sources, &free)?;
+        let sizes: Vec<u64> = gathered.chunks.iter().map(|c| c.size() as u64).collect();
+        self.space.map_at(plan.target.start, gathered.chunks)?;
+        self.counters.grows += 1;
+        let block = self.arenas[arena]
+            .heap
+            .insert_free(plan.target.start, plan.len());
+        // A unit moved from under its stream's queued work carries that
+        // stream's guard to its new place: the same memory.
+        let mut at = plan.target.start;
+        for (size, under) in sizes.into_iter().zip(gathered.under) {
+            if let Some(by) = under {
+                self.guards.insert(at, Guard { end: at + size, by });
+            }
+            at += size;
+        }
+        Ok(block)
+    }
+
+    /// `free`: the free units growth may move (see [`Growth::free_units`]).
+    fn plan(&self, arena: ArenaId, size: u64, free: &[FreeUnit]) -> Result<Plan> {
+        let granule = self.space.granule();
+        let arena = &self.arenas[arena];
+        let growth_chunk = arena.policy.growth_chunk(self.space.reserved(), granule);
+        let (start, end) = (arena.start, arena.end);
+        // Address ranges in use: the units, which the heap's regions cover
+        // exactly (a unit's range goes in when it is mapped and out when it
+        // is unmapped), a region for each run of them; and the old places of
+        // moved units, out of the heap but still mapped.
+        let mut occupied = arena.heap.regions();
+        occupied.extend(self.space.aliases_in(start, end));
+        // Two runs already in order: a stable sort merges them in one pass.
+        occupied.sort();
+        let next_in_use_after = |at: u64| {
+            let i = occupied.partition_point(|&(va, _)| va < at);
+            occupied.get(i).map_or(end, |&(va, _)| va)
+        };
+        let mut tails: Vec<Tail> = arena
+            .heap
+            .free_region_tails()
+            .map(|(start, len, _)| Tail {
+                start,
+                len,
+                room_after: next_in_use_after(start + len) - (start + len),
+            })
+            .collect();
+        // Deterministic order for ties (the heap keeps tails in a hash map).
+        tails.sort_unstable();
+        let mut prev_end = start;
+        let mut gaps: Vec<Gap> = Vec::new();
+        for &(va, size) in &occupied {
+            if va > prev_end {
+                gaps.push(Gap {
+                    start: prev_end,
+                    len: va - prev_end,
+                });
+            }
+            prev_end = va + size;
+        }
+        gaps.push(Gap {
+            start: prev_end,
+            len: end - prev_end,
+        });
+        let spares: Vec<u64> = if self.defragment {
+            self.space
+                .spares()
+                .iter()
+                .map(|c| c.size() as u64)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let units: Vec<UnitSize> = free
+            .iter()
+            .map(|u| UnitSize {
+                va: u.va,
+                size: u.len,
+            })
+            .collect();
+        let inputs = plan::Inputs {
+            tails: &tails,
+            gaps: &gaps,
+            spares: &spares,
+            units: &units,
+            granule,
+            chunk_size: growth_chunk,
+        };
+        plan::plan_growth(size, &inputs).ok_or(Error::InvalidSize {
+            requested: size,
+            reason: "no room left in the pool's address space",
+        })
+    }
+
+    /// Units with no live byte, in both arenas, that can move or go: no
+    /// stream may still touch them (no guard on them), except `mover`, for
+    /// which a unit under its own guards moves and leaves an alias behind;
+    /// and their chunk has no other mapping.
+    ///
+    /// In the order growth should move them: by address, except that a
+    /// pool whose chunks scale with it ([`crate::PoolProps::chunk_divisor`])
+    /// moves first the units of free blocks that start and end on unit
+    /// boundaries. Moving a unit out of a block that ends part way into a
+    /// unit holding live bytes shrinks the free space beside that partial
+    /// unit, until nothing fits there and it is stranded; a block with
+    /// whole units at both ends leaves none.
+    fn free_units(&self, mover: Option<u64>) -> Vec<FreeUnit> {
+        let whole_first = self.arenas[ArenaId::Large].policy.chunk_divisor.is_some();
+        // Units are whole granules: the small arena's chunk size.
+        let smallest_unit = self.arenas[ArenaId::Small].policy.chunk_size;
+        let units = self.space.units();
+        // The free blocks that can hold a unit, ranked; their units then
+        // come in address order within each block, and blocks do not
+        // overlap, so the units come out ranked too.
+        struct Candidate {
+            partial: bool,
+            addr: u64,
+            len: u64,
+            block: BlockId,
+        }
+        let mut blocks: Vec<Candidate> = Vec::new();
+        for arena in self.arenas.iter() {
+            arena.heap.for_each_free(|addr, len, block| {
+                if len < smallest_unit {
+                    return;
+                }
+                // A block lies in one mapped region, which its units tile:
+                // it starts on a unit boundary when a unit starts there, and
+                // ends on one when the last unit starting in it ends there.
+                let partial = whole_first && {
+                    let mut ends = units.range(addr..addr + len);
+                    let first = ends.next();
+                    let last = ends.next_back().or(first);
+                    !(first.is_some_and(|(&va, _)| va == addr)
+                        && last.is_some_and(|(&va, m)| va + m.size() as u64 == addr + len))
+                };
+                blocks.push(Candidate {
+                    partial,
+                    addr,
+                    len,
+                    block,
+                });
+            });
+        }
+        blocks.sort_unstable_by_key(|c| (c.partial, c.addr));
+        let mut found = Vec::new();
+        for c in blocks {
+            for (&va, m) in units.range(c.addr..c.addr + c.len) {
+                let end = va + m.size() as u64;
+                let movable = || {
+                    Arc::strong_count(m.chunk()) == 1
+                        && self
+                            .guards
+                            .in_range(va, end)
+                            .all(|(_, g)| Some(g.by.stream) == mover)
+                };
+                if end <= c.addr + c.len && movable() {
+                    found.push(FreeUnit {
+                        va,
+                        len: m.size() as u64,
+                        block: c.block,
+                    });
+                }
+            }
+        }
+        found
+    }
+
+    /// Takes free units (as [`Growth::free_units`] lists them) out of the
+    /// heap and unmaps them, right to left so that each free block's id
+    /// stays valid for the units left of it. A unit under guards (of the
+    /// stream that moves it) is not unmapped but kept as an alias. A unit
+    /// that fails to unmap goes back in the heap; the chunks unmapped before
+    /// it are spare.
+    fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<MovedUnit<B>>> {
+        units.sort_by_key(|u| std::cmp::Reverse(u.va));
+        let mut moved: Vec<MovedUnit<B>> = Vec::new();
+        for FreeUnit { va, len, block } in units {
+            let arena = self.arenas.of(va);
+            self.arenas[arena].heap.take(block, va, len);
+            let mapping = self.space.remove_unit(va);
+            let guards = self.guards.take(va, va + len);
+            if let Some(&first) = guards.first() {
+                let seq = guards.iter().map(|g| g.by.seq).max().expect("not empty");
+                let until = StreamPos {
+                    stream: first.by.stream,
+                    seq,
+                };
+                let chunk = Arc::clone(mapping.chunk());
+                tracing::debug!(
+                    va = format_args!("{va:#x}"),
+                    len,
+                    stream = until.stream,
+                    "moving a unit its stream may still use: the old mapping stays until it passes"
+                );
+                self.space.add_alias(va, mapping, until);
+                moved.push(MovedUnit {
+                    from: va,
+                    chunk,
+                    under: Some(until),
+                });
+                continue;
+            }
+            match self.space.unmap(mapping) {
+                Ok(chunk) => moved.push(MovedUnit {
+                    from: va,
+                    chunk,
+                    under: None,
+                }),
+                Err((err, mapping)) => {
+                    self.space.restore_unit(va, mapping);
+                    self.arenas[arena].heap.insert_free(va, len);
+                    for m in moved {
+                        self.space.keep_spare(m.chunk);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Collects the chunks a plan names, in its order. On failure the chunks
+    /// this call created are released again and the others are spare.
+    /// `free`: the free units the plan was made from.
+    fn gather(&mut self, sources: &[Source], free: &[FreeUnit]) -> Result<Gathered<B>> {
+        let moving: FxHashSet<u64> = sources
+            .iter()
+            .filter_map(|s| match *s {
+                Source::Unit { va, .. } => Some(va),
+                _ => None,
+            })
+            .collect();
+        let units = free
+            .iter()
+            .filter(|u| moving.contains(&u.va))
+            .copied()
+            .collect();
+        let mut moved: FxHashMap<u64, MovedUnit<B>> = self
+            .unmap_units(units)?
+            .into_iter()
+            .map(|m| (m.from, m))
+            .collect();
+        let mut spares: Vec<Option<Arc<Chunk<B>>>> =
+            self.space.take_spares().into_iter().map(Some).collect();
+        let mut gathered = Gathered {
+            chunks: Vec::new(),
+            under: Vec::new(),
+        };
+        let mut created = Vec::new();
+        let mut failure = None;
+        for source in sources {
+            let mut was_under = None;
+            let chunk = match *source {
+                Source::Spare { index, .. } => spares[index].take(),
+                Source::Unit { va, size } => {
+                    self.counters.remaps += 1;
+                    self.counters.bytes_remapped += size;
+                    tracing::trace!(
+                        from = format_args!("{va:#x}"),
+                        size,
+                        "remapping a free unit"
+                    );
+                    moved.remove(&va).map(|m| {
+                        was_under = m.under;
+                        m.chunk
+                    })
+                }
+                Source::New { size } => match self.space.create_chunk(size) {
+                    Ok(chunk) => {
+                        created.push(chunk.handle());
+                        Some(chunk)
+                    }
+                    Err(err) => {
+                        failure = Some(err);
+                        break;
+                    }
+                },
+            };
+            gathered
+                .chunks
+                .push(chunk.expect("every planned chunk was gathered"));
+            gathered.under.push(was_under);
+        }
+        self.space.return_spares(spares.into_iter().flatten());
+        match failure {
+            Some(err) => {
+                for chunk in gathered.chunks {
+                    if created.contains(&chunk.handle()) {
+                        self.space.release(chunk);
+                    } else {
+                        self.space.keep_spare(chunk);
+                    }
+                }
+                Err(err)
+            }
+            None => Ok(gathered),
+        }
+    }
+
+    /// Releases unused chunks (spares and free units, largest first) until
+    /// the pool holds at most `keep` bytes, or nothing more can go.
+    pub(crate) fn trim_to(&mut self, keep: u64) -> Result<()> {
+        self.space.retry_unreleased();
+        let reserved = self.space.reserved();
+        if reserved <= keep {
+            return Ok(());
+        }
+        let span = tracing::debug_span!("trim", reserved, keep);
+        let _enter = span.enter();
+        self.counters.trims += 1;
+        // Spare chunks and free units can go, largest first.
+        let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
+            .space
+            .spares()
+            .iter()
+            .map(|c| (c.size() as u64, None))
+            .chain(self.free_units(None).into_iter().map(|u| (u.len, Some(u))))
+            .collect();
+        candidates.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
+        let mut after = reserved;
+        let mut spare_count = 0;
+        let mut units = Vec::new();
+        for (size, unit) in candidates {
+            if after <= keep {
+                break;
+            }
+            after -= size;
+            match unit {
+                Some(unit) => units.push(unit),
+                None => spare_count += 1,
+            }
+        }
+        // The largest spares are the ones counted above.
+        self.space.release_largest_spares(spare_count);
+        for m in self.unmap_units(units)? {
+            self.space.release(m.chunk);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! vmpool's streams and events: the backend's, plus what vmpool needs to
+//! know about stream order to decide when memory freed on one stream may be
+//! handed to another.
+//!
+//! ```text
+//!   stream A:  free(x)@3 ... record(e)@5
+//!   stream B:                          wait(e)  -> B.clock[A] = 5 >= 3: x is B's to reuse
+//! ```
+//!
+//! Each stream counts its frees and records (`seq`). An event remembers the
+//! stream and count it captured, and that stream's own clock: what it had
+//! itself waited for. A stream that waits on the event merges both into its
+//! clock, so dependencies carry along chains of streams.
+//!
+//! A stream also holds, per pool, the blocks freed on it that are still
+//! pending, and what those frees owe the pool's count of used bytes
+//! (`credit`). The same-stream hot path (free, then allocate the same size)
+//! touches only this state, nothing of the pool's, so streams on different
+//! threads share no lock and no counter. A pool's lock is taken before a
+//! stream's, never the other way (Note [Lock order] in docs/DESIGN.md).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustc_hash::FxHashMap;
+use vmm::{Backend, DeviceId};
+
+use super::frees::{ByPool, Pending};
+use crate::sync::lock;
+
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
+
+/// For each other stream, the last of its positions this stream is known to
+/// be ordered after.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Clock(FxHashMap<u64, u64>);
+
+impl Clock {
+    pub(crate) fn get(&self, stream: u64) -> u64 {
+        self.0.get(&stream).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn advance(&mut self, stream: u64, seq: u64) {
+        let at = self.0.entry(stream).or_insert(0);
+        *at = (*at).max(seq);
+    }
+
+    fn merge(&mut self, other: &Clock) {
+        for (&stream, &seq) in &other.0 {
+            self.advance(stream, seq);
+        }
+    }
+}
+
+pub(crate) struct StreamState {
+    /// Positions handed out to frees and records on this stream.
+    pub(super) seq: u64,
+    pub(super) clock: Clock,
+    /// Pending frees by pool id. An entry exists exactly while the pool has
+    /// this stream registered.
+    pub(super) pending: ByPool,
+}
+
+/// Held for a few instructions at a time, never across a driver call.
+type StateLock<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
+
+pub(crate) struct StreamShared<B: Backend> {
+    pub(crate) id: u64,
+    pub(crate) device: DeviceId,
+    pub(crate) raw: B::Stream,
+    state: StateLock<StreamState>,
+}
+
+impl<B: Backend> StreamShared<B> {
+    pub(super) fn state(&self) -> spin::mutex::SpinMutexGuard<'_, StreamState, spin::relax::Yield> {
+        self.state.lock()
+    }
+
+    /// The hot path's allocation: a block of exactly `size` this stream
+    /// freed in `pool`, reused in its order without the pool's lock.
+    #[inline]
+    pub(crate) fn reuse(&self, pool: u64, size: u64) -> Option<Pending> {
+        self.state().pending.get_mut(&pool)?.reuse(size)
+    }
+
+    /// The hot path's free: the block goes to this stream's pending frees
+    /// in `pool`, at the stream's next position. `false` when the stream
+    /// is not registered with the pool yet: the position is spent, the
+    /// block not taken.
+    #[inline]
+    pub(crate) fn push_free(&self, pool: u64, block: impl FnOnce(u64) -> Pending) -> bool {
+        let mut st = self.state();
+        st.seq += 1;
+        let seq = st.seq;
+        match st.pending.get_mut(&pool) {
+            Some(frees) => {
+                frees.push(block(seq));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The last position handed out.
+    pub(crate) fn current_seq(&self) -> u64 {
+        self.state().seq
+    }
+}
+
+/// A stream of device work. Cloning gives another handle to the same stream.
+pub struct Stream<B: Backend>(pub(crate) Arc<StreamShared<B>>);
+
+impl<B: Backend> Clone for Stream<B> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+/// Two handles are equal when they are the same stream (clones of one
+/// another), whatever the backend stream inside.
+impl<B: Backend> PartialEq for Stream<B> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl<B: Backend> Eq for Stream<B> {}
+
+impl<B: Backend> Stream<B> {
+    pub(crate) fn new(raw: B::Stream, device: DeviceId) -> Self {
+        Self(Arc::new(StreamShared {
+            id: NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed),
+            device,
+            raw,
+            state: StateLock::new(StreamState {
+                seq: 0,
+                clock: Clock::default(),
+                pending: ByPool::default(),
+            }),
+        }))
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.0.device
+    }
+
+    /// The backend's stream, to queue work on it.
+    pub fn raw(&self) -> &B::Stream {
+        &self.0.raw
+    }
+}
+
+/// What an event captured when it was last recorded.
+#[derive(Debug, Clone)]
+pub(crate) struct Captured {
+    pub(crate) stream: u64,
+    pub(crate) seq: u64,
+    pub(crate) clock: Clock,
+}
+
+pub struct Event<B: Backend> {
+    pub(crate) raw: B::Event,
+    pub(crate) device: DeviceId,
+    pub(crate) captured: Mutex<Option<Captured>>,
+}
+
+impl<B: Backend> Event<B> {
+    pub(crate) fn new(raw: B::Event, device: DeviceId) -> Self {
+        Self {
+            raw,
+            device,
+            captured: Mutex::new(None),
+        }
+    }
+
+    /// (stream, position) of the last record.
+    pub(crate) fn captured(&self) -> Option<(u64, u64)> {
+        lock(&self.captured).as_ref().map(|c| (c.stream, c.seq))
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The backend's event.
+    pub fn raw(&self) -> &B::Event {
+        &self.raw
+    }
+
+    /// Notes that the event now captures `stream` up to now.
+    pub(crate) fn capture(&self, stream: &StreamShared<B>) {
+        let (seq, clock) = {
+            let mut st = stream.state();
+            st.seq += 1;
+            (st.seq, st.clock.clone())
+        };
+        *lock(&self.captured) = Some(Captured {
+            stream: stream.id,
+            seq,
+            clock,
+        });
+    }
+
+    /// Makes `stream`'s clock include what this event captured.
+    pub(crate) fn order_after(&self, stream: &StreamShared<B>) {
+        if let Some(c) = &*lock(&self.captured) {
+            let mut st = stream.state();
+            st.clock.merge(&c.clock);
+            st.clock.advance(c.stream, c.seq);
+        }
+    }
+}

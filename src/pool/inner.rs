@@ -1,0 +1,350 @@
+//! What a pool keeps under its lock, and the allocation path that takes it:
+//! the heaps, other streams' frees as the reuse rules allow, then growth.
+
+use std::sync::Arc;
+
+use vmm::{Backend, ErrorKind};
+
+use crate::arena::{ArenaId, Arenas};
+use crate::growth::{Growth, GrowthCounters};
+use crate::heap::BlockId;
+use crate::ordering::{Guard, Guards, Pending, StreamPos, StreamShared, Streams};
+use crate::space::Space;
+use crate::{Error, Result};
+
+/// How many of a stream's latest small frees (small-arena blocks) stay
+/// pending when a miss merges the others into the heap: a program that
+/// allocates small blocks of a few sizes over and over (generation, a layer
+/// at a time) then finds them on the same-size fast path instead of taking
+/// the lock again (docs/RESULTS.md).
+const KEEP_SMALL: usize = 64;
+
+/// Calls counted under the lock; the hot path's own counts live with the
+/// streams until they leave the pool's table.
+#[derive(Debug, Clone, Default)]
+pub(super) struct CallCounters {
+    pub(super) allocations: u64,
+    pub(super) frees: u64,
+    pub(super) same_stream_reuses: u64,
+    pub(super) grow_nanos: u64,
+}
+
+/// Bytes of live allocations as the lock counts them (Note [Usage credit]
+/// in docs/DESIGN.md).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Usage {
+    /// Live bytes, less the frees the streams' hot paths have not yet
+    /// settled here.
+    pub(super) used: u64,
+    pub(super) used_high: u64,
+}
+
+pub(super) struct Inner<B: Backend> {
+    pub(super) arenas: Arenas,
+    pub(super) space: Space<B>,
+    pub(super) streams: Streams<B>,
+    pub(super) guards: Guards,
+    pub(super) usage: Usage,
+    pub(super) release_threshold: u64,
+    pub(super) defragment: bool,
+    pub(super) calls: CallCounters,
+    pub(super) growth: GrowthCounters,
+    /// A reused buffer: the guards an allocation finds in its range, empty
+    /// between calls.
+    found_guards: Vec<(u64, Guard)>,
+    /// A reused buffer: frees a stream's table hands back.
+    released: Vec<Pending>,
+}
+
+impl<B: Backend> Inner<B> {
+    pub(super) fn new(
+        arenas: Arenas,
+        space: Space<B>,
+        streams: Streams<B>,
+        defragment: bool,
+    ) -> Self {
+        Self {
+            arenas,
+            space,
+            streams,
+            guards: Guards::default(),
+            usage: Usage::default(),
+            release_threshold: 0,
+            defragment,
+            calls: CallCounters::default(),
+            growth: GrowthCounters::default(),
+            found_guards: Vec::new(),
+            released: Vec::new(),
+        }
+    }
+
+    /// The parts growth and trimming change, borrowed together.
+    pub(super) fn growth(&mut self) -> Growth<'_, B> {
+        Growth {
+            space: &mut self.space,
+            arenas: &mut self.arenas,
+            guards: &mut self.guards,
+            counters: &mut self.growth,
+            defragment: self.defragment,
+        }
+    }
+
+    /// Bytes of live allocations: `used` less the streams' credits. It
+    /// reads the credits and leaves them: settling them here would send the
+    /// streams' next same-size allocations to the locked path, so that
+    /// reading a statistic changed what it measures.
+    pub(super) fn live_bytes(&self) -> u64 {
+        self.usage.used - self.streams.credit()
+    }
+
+    /// Moves every stream's credit into `used` (Note [Usage credit]).
+    pub(super) fn settle(&mut self) {
+        self.usage.used -= self.streams.settle();
+    }
+
+    /// Counts an allocation of `size` bytes made under this lock.
+    pub(super) fn count_used(&mut self, size: u64) {
+        self.settle();
+        self.usage.used += size;
+        self.usage.used_high = self.usage.used_high.max(self.usage.used);
+    }
+
+    pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {
+        self.arenas[arena].heap.free(block);
+        self.calls.frees += 1;
+        self.usage.used -= size;
+    }
+
+    /// The slow path of an allocation: the heap, then (stream-ordered) other
+    /// pending frees as the reuse rules allow, then growth.
+    pub(super) fn allocate(
+        &mut self,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Pending> {
+        let arena = ArenaId::for_size(size);
+        // Opportunistic reuse: frees whose events have completed go back to
+        // the heap. One stream-ordered miss in a few looks, which keeps
+        // guards and aliases from piling up; before it grows, the pool
+        // always looks.
+        if stream.is_some() && self.streams.due_for_collect() {
+            self.collect_completed()?;
+        }
+        // Blocks the guards keep from this allocation, held while it looks
+        // further and given back at the end.
+        let mut held = Vec::new();
+        let found = self.allocate_unheld(arena, size, stream, &mut held);
+        for (arena, block) in held {
+            self.arenas[arena].heap.free(block);
+        }
+        self.calls.allocations += u64::from(found.is_ok());
+        found
+    }
+
+    /// [`Inner::allocate`], leaving in `held` the blocks it took from the
+    /// heap but may not use.
+    fn allocate_unheld(
+        &mut self,
+        arena: ArenaId,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        held: &mut Vec<(ArenaId, BlockId)>,
+    ) -> Result<Pending> {
+        let block = |arena, (ptr, block)| Pending {
+            arena,
+            block,
+            ptr,
+            size,
+            seq: 0,
+        };
+        // The stream's own frees, at any size: in its order they are free,
+        // and back in the heap they join their free neighbours, so the
+        // heap's choice is as good as without stream order. The latest
+        // small ones stay for the same-size fast path, unless the heap
+        // cannot serve without them.
+        let mut kept = false;
+        if let Some(s) = stream {
+            kept = self.merge_own_frees(s, KEEP_SMALL)?;
+        }
+        if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+            return Ok(block(arena, found));
+        }
+        if let Some(s) = stream.filter(|_| kept) {
+            self.merge_own_frees(s, 0)?;
+            if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+                return Ok(block(arena, found));
+            }
+        }
+        if let Some(s) = stream {
+            if let Some(p) = self.streams.reuse_pending(size, s)? {
+                return Ok(p);
+            }
+            if self.streams.rules.allow_opportunistic {
+                // Events just recorded on idle streams complete at once:
+                // better their frees than new memory.
+                self.streams.record_pending(s.id)?;
+                self.collect_completed()?;
+                if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+                    return Ok(block(arena, found));
+                }
+            }
+        }
+        loop {
+            let started = std::time::Instant::now();
+            let grown = self.growth().grow(arena, size, stream.map(|s| s.id));
+            self.calls.grow_nanos += started.elapsed().as_nanos() as u64;
+            let (arena, (addr, id)) = match grown {
+                Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
+                // The device is full, but the other arena may have room:
+                // better there than out of memory.
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                    let other = arena.other();
+                    match self.take_from_heap(other, size, stream, held)? {
+                        Some(found) => (other, found),
+                        None => return Err(Error::Driver(e)),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
+            // Growth may extend a guarded free range.
+            let cleared = self.clear_guards(addr, size, stream);
+            if let Ok(true) = cleared {
+                return Ok(block(arena, (addr, id)));
+            }
+            held.push((arena, id));
+            cleared?;
+        }
+    }
+
+    /// A heap block of `size` bytes in `arena` that `stream` may take (see
+    /// [`Guard`]); the blocks it may not take go to `held`.
+    fn take_from_heap(
+        &mut self,
+        arena: ArenaId,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        held: &mut Vec<(ArenaId, BlockId)>,
+    ) -> Result<Option<(u64, BlockId)>> {
+        while let Some((addr, block)) = self.arenas[arena].heap.alloc(size) {
+            match self.clear_guards(addr, size, stream) {
+                Ok(true) => return Ok(Some((addr, block))),
+                // Given back to the heap by the caller, either way.
+                Ok(false) => held.push((arena, block)),
+                Err(err) => {
+                    held.push((arena, block));
+                    return Err(err);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `stream` (`None`: a synchronous allocation) may take
+    /// `[addr, addr + size)`, as far as guards go (see
+    /// [`Streams::may_take`]). If so, the guards of the range go (the
+    /// allocation's own later free will guard it again).
+    fn clear_guards(
+        &mut self,
+        addr: u64,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<bool> {
+        let end = addr + size;
+        let mut found = std::mem::take(&mut self.found_guards);
+        found.extend(self.guards.in_range(addr, end));
+        let cleared = if found.is_empty() {
+            Ok(true)
+        } else {
+            let may = self.streams.may_take(&found, stream);
+            if let Ok(true) = may {
+                self.guards.remove_found(addr, end, &found);
+            }
+            may
+        };
+        found.clear();
+        self.found_guards = found;
+        cleared
+    }
+
+    /// Moves the pending frees of `stream` into the heap, each under a
+    /// guard of the stream, all but its latest `keep` small ones (see
+    /// [`Streams::merge_own_frees`]). Returns whether any stayed.
+    fn merge_own_frees(&mut self, stream: &Arc<StreamShared<B>>, keep: usize) -> Result<bool> {
+        let Self {
+            arenas,
+            guards,
+            streams,
+            ..
+        } = self;
+        streams.merge_own_frees(stream, keep, |p| {
+            arenas[p.arena].heap.free(p.block);
+            let by = StreamPos {
+                stream: stream.id,
+                seq: p.seq,
+            };
+            guards.insert(
+                p.ptr,
+                Guard {
+                    end: p.ptr + p.size,
+                    by,
+                },
+            );
+        })
+    }
+
+    /// Moves the pending frees whose events have completed back to the heap
+    /// (opportunistic reuse). An event that reports an error fails the call.
+    #[cold]
+    fn collect_completed(&mut self) -> Result<()> {
+        for pos in self.streams.completed()? {
+            self.release_pending(pos);
+        }
+        Ok(())
+    }
+
+    /// Frees of a stream up to a position are free for every stream: back
+    /// to the heap; their guards and aliases go. A stream left with nothing
+    /// pending and no guard leaves the table.
+    pub(super) fn release_pending(&mut self, passed: StreamPos) {
+        let StreamPos { stream, seq: upto } = passed;
+        if !self.streams.is_registered(stream) {
+            return;
+        }
+        self.guards.release(stream, upto);
+        self.space.retire_aliases(stream, upto);
+        let guarded = self.guards.any_of(stream) || self.space.has_aliases_of(stream);
+        let mut released = std::mem::take(&mut self.released);
+        if let Some(gone) = self.streams.release(stream, upto, guarded, &mut released) {
+            self.usage.used -= gone.credit;
+            self.calls.allocations += gone.reuses;
+            self.calls.same_stream_reuses += gone.reuses;
+            self.calls.frees += gone.frees;
+        }
+        for p in released.drain(..) {
+            self.arenas[p.arena].heap.free(p.block);
+        }
+        self.released = released;
+    }
+
+    /// Blocks until every stream with pending frees has run past them, and
+    /// releases them all (the last resort before out-of-memory, and drop).
+    /// While a graph capture is under way nothing can be waited for: then
+    /// it does nothing and returns false.
+    pub(super) fn wait_for_pending_frees(&mut self) -> bool {
+        let Some(passed) = self.streams.wait_all() else {
+            return false;
+        };
+        for pos in passed {
+            self.release_pending(pos);
+        }
+        true
+    }
+
+    /// Releases the stream-ordered frees of a stream up to a position (its
+    /// work has run that far), then trims to the release threshold.
+    pub(super) fn stream_passed(&mut self, passed: StreamPos) -> Result<()> {
+        self.release_pending(passed);
+        let keep = self.release_threshold;
+        self.growth().trim_to(keep)
+    }
+}

@@ -1,0 +1,603 @@
+//! A pool: one virtual reservation, physical chunks mapped into it, and a
+//! heap of the mapped free space in each of its two arenas. [`Pool`] is
+//! the handle that ties the parts together:
+//!
+//! ```text
+//!   Pool ─ Shared (outside the lock: id, size limit, recorder, exports, device)
+//!            └ Mutex<Inner>
+//!                arenas   Arenas   a heap per arena (heap.rs): where allocations go
+//!                space    Space    reservation, units, spares, aliases (space.rs)
+//!                streams  Streams  streams with frees pending here (ordering/)
+//!                guards   Guards   free ranges a stream may still touch (ordering/)
+//!   growth (growth.rs) borrows arenas, space and guards to map new ranges
+//! ```
+//!
+//! An allocation takes a free block from the heap when one fits (no driver
+//! call). When none fits, the pool grows a contiguous range and backs it
+//! with spare chunks, then with whole free units unmapped from elsewhere,
+//! and only then with new chunks. A unit moves only when no live byte is
+//! on it, so a pointer never moves. Stream-ordered frees wait with their
+//! stream, where the same stream reuses them without the pool's lock. See
+//! Note [Placement], Note [Growth and remapping] and Note [Stream-ordered
+//! frees] in docs/DESIGN.md.
+
+mod audit;
+mod inner;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use vmm::{Access, AccessDesc, Backend, DeviceId, DevicePtr, ErrorKind};
+
+use crate::allocation::Allocation;
+use crate::arena::{Arena, Arenas, ChunkPolicy};
+use crate::capture::Captures;
+use crate::exports::Exports;
+use crate::heap::{Heap, QUANTUM};
+use crate::ordering::{Pending, Stream, StreamPos, StreamShared, Streams};
+use crate::props::{HandleType, PoolProps, DEFAULT_CHUNK_SIZE};
+use crate::space::{Space, SpaceProps};
+use crate::stats::{PoolAttribute, PoolSnapshot, PoolStats};
+use crate::sync::lock;
+use crate::trace::record::{record_path, Recorder};
+use crate::{Error, Result};
+use inner::Inner;
+
+/// `repr(C)` and aligned to a cache line: what an allocation and a free
+/// read outside the lock comes first and shares one line (Note [Cache-line
+/// layout] in docs/DESIGN.md).
+#[repr(C, align(64))]
+struct Shared<B: Backend> {
+    id: u64,
+    /// The reservation's size: no allocation is larger.
+    va_size: u64,
+    recorder: Option<Box<Recorder>>,
+    /// Allocations exported to other processes and their leases.
+    exports: Exports<B>,
+    device: DeviceId,
+    backend: Arc<B>,
+    /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
+    shareable: bool,
+    inner: Mutex<Inner<B>>,
+    /// The other pools of the device, asked to release unused memory before
+    /// this one reports out-of-memory.
+    siblings: Weak<Siblings<B>>,
+}
+
+/// The pools of one device.
+pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
+
+/// A memory pool. Cloning gives another handle to the same pool.
+pub struct Pool<B: Backend>(Arc<Shared<B>>);
+
+/// A handle that does not keep the pool alive.
+pub(crate) struct WeakPool<B: Backend>(Weak<Shared<B>>);
+
+impl<B: Backend> WeakPool<B> {
+    pub(crate) fn upgrade(&self) -> Option<Pool<B>> {
+        self.0.upgrade().map(Pool)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+}
+
+impl<B: Backend> Clone for Pool<B> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Pool<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("id", &self.0.id)
+            .field("device", &self.0.device)
+            .finish_non_exhaustive()
+    }
+}
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+impl<B: Backend> Pool<B> {
+    pub(crate) fn create(
+        backend: &Arc<B>,
+        props: &PoolProps,
+        siblings: &Arc<Siblings<B>>,
+        captures: &Arc<Captures>,
+    ) -> Result<Self> {
+        let device = props.device;
+        if device.0 >= backend.device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        let granule = backend.granularity(device)? as u64;
+        let total = backend.mem_info(device)?.total as u64;
+        let chunk_size = props
+            .chunk_size
+            .unwrap_or(DEFAULT_CHUNK_SIZE)
+            .next_multiple_of(granule);
+        let va_size = props.va_size.unwrap_or(4 * total).next_multiple_of(granule);
+        if chunk_size == 0 || va_size == 0 || props.chunk_divisor == Some(0) {
+            return Err(Error::InvalidProps(
+                "chunk size, chunk divisor and address-space size must be non-zero".into(),
+            ));
+        }
+        let shareable = props.handle_type == HandleType::PosixFileDescriptor;
+        let space = Space::new(
+            backend,
+            SpaceProps {
+                device,
+                va_size,
+                granule,
+                shareable,
+                max_size: props.max_size.unwrap_or(u64::MAX),
+            },
+        )?;
+        let base = space.base();
+        // An eighth of the address space for small allocations is far more
+        // than they ever need; the rest is for large ones.
+        let split = base + (va_size / 8).next_multiple_of(granule);
+        let arena = |start, end, chunk_size, chunk_divisor| Arena {
+            heap: Heap::new(),
+            start,
+            end,
+            policy: ChunkPolicy {
+                chunk_size,
+                chunk_divisor,
+                granule_growth_below: props.granule_growth_below,
+            },
+        };
+        let arenas = Arenas::new(
+            arena(base, split, granule, None),
+            arena(split, base + va_size, chunk_size, props.chunk_divisor),
+        );
+        let id = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed);
+        let recorder = match record_path(props.record.as_deref(), id) {
+            Some(path) => Some(Box::new(Self::recorder(&path, id, device)?)),
+            None => None,
+        };
+        let streams = Streams::new(id, Arc::clone(backend), Arc::clone(captures));
+        let shared = Arc::new(Shared {
+            id,
+            va_size,
+            recorder,
+            exports: Exports::default(),
+            device,
+            backend: Arc::clone(backend),
+            shareable,
+            inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment)),
+            siblings: Arc::downgrade(siblings),
+        });
+        let mut list = lock(siblings);
+        list.retain(WeakPool::is_alive);
+        list.push(WeakPool(Arc::downgrade(&shared)));
+        tracing::debug!(pool = shared.id, %device, va_size, chunk_size, chunk_divisor = ?props.chunk_divisor, "pool created");
+        Ok(Self(shared))
+    }
+
+    fn recorder(path: &Path, id: u64, device: DeviceId) -> Result<Recorder> {
+        Recorder::create(path, id, device)
+            .map_err(|e| Error::InvalidProps(format!("cannot record to {}: {e}", path.display())))
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakPool<B> {
+        WeakPool(Arc::downgrade(&self.0))
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    pub(crate) fn is_shareable(&self) -> bool {
+        self.0.shareable
+    }
+
+    pub(crate) fn exports(&self) -> &Exports<B> {
+        &self.0.exports
+    }
+
+    /// The address of the first unit under `[ptr, ptr + size)` and the
+    /// chunks of all of them, in address order. The range must be a live
+    /// allocation, so that its units are mapped and stay put.
+    pub(crate) fn units_under(
+        &self,
+        ptr: u64,
+        size: u64,
+    ) -> (u64, Vec<Arc<vmm::memory::Chunk<B>>>) {
+        self.lock().space.units_under(ptr, size)
+    }
+
+    pub(crate) fn owns(&self, allocation: &Allocation) -> bool {
+        allocation.pool == self.0.id
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<B>> {
+        lock(&self.0.inner)
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.0.device
+    }
+
+    pub fn backend(&self) -> &Arc<B> {
+        &self.0.backend
+    }
+
+    /// Allocates `size` bytes, aligned to 256, for use right away (no stream
+    /// order). Grows, defragments and, when the device is full, asks every
+    /// pool on it to release unused memory before it gives up.
+    pub fn allocate(&self, size: u64) -> Result<Allocation> {
+        self.allocate_with(size, None)
+    }
+
+    /// Allocates `size` bytes for use in stream order on `stream`
+    /// (`cudaMallocFromPoolAsync`). The call returns at once; errors are
+    /// returned here, never later. Memory freed on `stream` is reused at
+    /// once; memory freed on other streams as the pool's reuse switches
+    /// allow, possibly by making `stream` wait for the free.
+    #[inline]
+    pub fn allocate_async(&self, size: u64, stream: &Stream<B>) -> Result<Allocation> {
+        self.same_device(stream)?;
+        self.allocate_with(size, Some(&stream.0))
+    }
+
+    /// Frees `allocation` in stream order on `stream`: the memory goes back
+    /// to the pool once the work queued on `stream` so far has run. The
+    /// stream must be ordered after every use of the allocation.
+    #[inline]
+    pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
+        if !self.owns(&allocation) {
+            return Err(Error::WrongPool {
+                ptr: allocation.ptr.0,
+            });
+        }
+        self.same_device(stream)?;
+        let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) else {
+            return Ok(());
+        };
+        tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
+        self.record_free(&allocation, stream.0.id);
+        let pending = |seq| Pending {
+            arena: allocation.arena,
+            block: allocation.block,
+            ptr: allocation.ptr.0,
+            size: allocation.block_size,
+            seq,
+        };
+        // The first pending free of this stream here registers it with the
+        // pool (whose lock comes first), then goes again.
+        while !stream.0.push_free(self.0.id, pending) {
+            self.register(&stream.0);
+        }
+        Ok(())
+    }
+
+    /// Out of line: a stream registers once, then frees on the hot path.
+    #[cold]
+    fn register(&self, stream: &Arc<StreamShared<B>>) {
+        self.lock().streams.register(stream);
+    }
+
+    /// Unlike `cudaMallocFromPoolAsync`, which takes a stream of any
+    /// device, a pool serves only streams of its own device: it gives no
+    /// other device access to its memory, and the events it records to order
+    /// frees are its device's.
+    fn same_device(&self, stream: &Stream<B>) -> Result<()> {
+        if stream.device() == self.device() {
+            Ok(())
+        } else {
+            Err(Error::WrongDevice {
+                expected: self.device(),
+                found: stream.device(),
+            })
+        }
+    }
+
+    #[inline]
+    fn allocate_with(
+        &self,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
+        if size == 0 {
+            return Err(Error::InvalidSize {
+                requested: size,
+                reason: "zero bytes",
+            });
+        }
+        if size > self.0.va_size {
+            return Err(Error::InvalidSize {
+                requested: size,
+                reason: "larger than the pool's address space",
+            });
+        }
+        let rounded = size.next_multiple_of(QUANTUM);
+        if let Some(s) = stream {
+            // The hot path: memory this stream freed, reused in its order,
+            // without the pool's lock.
+            if let Some(p) = s.reuse(self.0.id, rounded) {
+                return Ok(self.hand_out(size, p, s.id));
+            }
+        }
+        self.allocate_locked(size, rounded, stream)
+    }
+
+    /// [`Pool::allocate_with`] under the pool's lock: the heap, other
+    /// streams' frees, growth, and out-of-memory handling. Out of line, so
+    /// that the hot path stays small.
+    #[inline(never)]
+    fn allocate_locked(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
+        let mut released_others = false;
+        loop {
+            let mut inner = self.lock();
+            match inner.allocate(rounded, stream) {
+                Ok(p) => {
+                    inner.count_used(p.size);
+                    drop(inner);
+                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id)));
+                }
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
+                    // Pending frees become free once their streams finish.
+                    inner.wait_for_pending_frees();
+                    drop(inner);
+                    tracing::debug!(
+                        pool = self.0.id,
+                        size,
+                        "device full: releasing unused memory of every pool"
+                    );
+                    self.release_unused_on_device();
+                    released_others = true;
+                }
+                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                    let device_free = self
+                        .0
+                        .backend
+                        .mem_info(self.0.device)
+                        .map_or(0, |m| m.free as u64);
+                    return Err(Error::OutOfMemory {
+                        device: self.0.device,
+                        requested: size,
+                        reserved: inner.space.reserved(),
+                        used: inner.live_bytes(),
+                        device_free,
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Returns an allocation to the pool.
+    pub fn free(&self, allocation: Allocation) -> Result<()> {
+        if !self.owns(&allocation) {
+            return Err(Error::WrongPool {
+                ptr: allocation.ptr.0,
+            });
+        }
+        let Some(allocation) = self.0.exports.on_free(allocation, None) else {
+            return Ok(());
+        };
+        tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
+        self.record_free(&allocation, 0);
+        self.lock()
+            .free(allocation.arena, allocation.block, allocation.block_size);
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn hand_out(&self, size: u64, p: Pending, stream: u64) -> Allocation {
+        tracing::trace!(
+            pool = self.0.id,
+            ptr = format_args!("{:#x}", p.ptr),
+            size,
+            "allocate"
+        );
+        let trace_id = match &self.0.recorder {
+            Some(r) => r.allocation(size, stream),
+            None => 0,
+        };
+        Allocation {
+            ptr: DevicePtr(p.ptr),
+            size,
+            block_size: p.size,
+            arena: p.arena,
+            block: p.block,
+            pool: self.0.id,
+            trace_id,
+            device: self.0.device,
+        }
+    }
+
+    /// Writes out what the pool has recorded so far (see
+    /// [`PoolProps::record`]); a pool that is never dropped, such as one of
+    /// the C library's, must be flushed before the process exits.
+    pub fn flush_trace(&self) -> std::io::Result<()> {
+        match &self.0.recorder {
+            Some(r) => r.flush(),
+            None => Ok(()),
+        }
+    }
+
+    fn record_free(&self, allocation: &Allocation, stream: u64) {
+        if let Some(r) = &self.0.recorder {
+            r.free(allocation.trace_id, stream);
+        }
+    }
+
+    /// Releases the stream-ordered frees of `stream` up to position `upto`
+    /// (its work has run that far), then trims to the release threshold.
+    pub(crate) fn stream_passed(&self, stream: u64, upto: u64) -> Result<()> {
+        self.lock().stream_passed(StreamPos { stream, seq: upto })
+    }
+
+    /// Changes the most physical bytes the pool may hold
+    /// ([`PoolProps::max_size`]; `None`: no limit but the device's memory).
+    /// Growth past it fails with [`Error::PoolLimit`]; memory held above it
+    /// now stays until it is freed and trimmed.
+    pub fn set_max_size(&self, max_size: Option<u64>) {
+        self.lock().space.set_max_size(max_size.unwrap_or(u64::MAX));
+    }
+
+    /// Releases unused physical memory until the pool holds at most
+    /// `bytes_to_keep` bytes, or nothing more can be released (a chunk is
+    /// released only once no live byte is on any part of it).
+    pub fn trim_to(&self, bytes_to_keep: u64) -> Result<()> {
+        self.lock().growth().trim_to(bytes_to_keep)
+    }
+
+    fn release_unused_on_device(&self) {
+        let Some(siblings) = self.0.siblings.upgrade() else {
+            return;
+        };
+        let pools: Vec<Pool<B>> = lock(&siblings)
+            .iter()
+            .filter_map(WeakPool::upgrade)
+            .collect();
+        for pool in pools {
+            // Memory a pool's streams freed but have not passed is unused
+            // too, once they have: wait for them, as for this pool's own.
+            pool.lock().wait_for_pending_frees();
+            if let Err(err) = pool.trim_to(0) {
+                tracing::warn!(%err, "releasing unused memory failed");
+            }
+        }
+    }
+
+    /// Lets `device` access the pool's memory as `access`
+    /// (`cudaMemPoolSetAccess`): everything mapped now, and everything
+    /// mapped later, growth and remapped chunks included. The pool's own
+    /// device always has read-write access; asking for less is an error.
+    /// On failure the pool's memory and access list are as before.
+    ///
+    /// Taking access away is not stream-ordered: work queued on `device`
+    /// that still touches the pool must have finished.
+    pub fn set_access(&self, device: DeviceId, access: Access) -> Result<()> {
+        if device.0 >= self.backend().device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        if device == self.device() {
+            return match access {
+                Access::ReadWrite => Ok(()),
+                _ => Err(Error::InvalidAccess {
+                    device,
+                    reason: "the pool's own device always has read-write access",
+                }),
+            };
+        }
+        self.lock().space.set_access(AccessDesc { device, access })
+    }
+
+    /// What `device` may do with the pool's memory
+    /// (`cudaMemPoolGetAccess`).
+    pub fn access(&self, device: DeviceId) -> Result<Access> {
+        if device.0 >= self.backend().device_count()? {
+            return Err(Error::InvalidDevice(device));
+        }
+        Ok(self.lock().space.access(device))
+    }
+
+    pub fn attribute(&self, attribute: PoolAttribute) -> u64 {
+        let inner = self.lock();
+        let rules = inner.streams.rules;
+        match attribute {
+            PoolAttribute::ReleaseThreshold => inner.release_threshold,
+            PoolAttribute::ReuseFollowEventDependencies => rules.follow_event_dependencies as u64,
+            PoolAttribute::ReuseAllowOpportunistic => rules.allow_opportunistic as u64,
+            PoolAttribute::ReuseAllowInternalDependencies => {
+                rules.allow_internal_dependencies as u64
+            }
+            PoolAttribute::ReservedMemCurrent => inner.space.reserved(),
+            PoolAttribute::ReservedMemHigh => inner.space.reserved_high(),
+            PoolAttribute::UsedMemCurrent => inner.live_bytes(),
+            PoolAttribute::UsedMemHigh => inner.usage.used_high,
+        }
+    }
+
+    pub fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
+        let invalid = |reason| Error::InvalidAttribute {
+            attribute,
+            value,
+            reason,
+        };
+        let flag = |value| match value {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(invalid("a switch takes 0 or 1")),
+        };
+        let mut inner = self.lock();
+        let rules = &mut inner.streams.rules;
+        match attribute {
+            PoolAttribute::ReleaseThreshold => inner.release_threshold = value,
+            PoolAttribute::ReuseFollowEventDependencies => {
+                rules.follow_event_dependencies = flag(value)?
+            }
+            PoolAttribute::ReuseAllowOpportunistic => rules.allow_opportunistic = flag(value)?,
+            PoolAttribute::ReuseAllowInternalDependencies => {
+                rules.allow_internal_dependencies = flag(value)?
+            }
+            PoolAttribute::ReservedMemHigh | PoolAttribute::UsedMemHigh if value != 0 => {
+                return Err(invalid("a high-water mark can only be reset, with 0"))
+            }
+            PoolAttribute::ReservedMemHigh => inner.space.reset_reserved_high(),
+            PoolAttribute::UsedMemHigh => {
+                inner.settle();
+                inner.usage.used_high = inner.usage.used;
+            }
+            PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
+                return Err(invalid("read-only"))
+            }
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        audit::stats(&self.lock())
+    }
+
+    /// The pool's ranges and chunks as they are now.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        audit::snapshot(&self.lock(), self.0.va_size)
+    }
+
+    /// Recounts the pool from its own tables and checks them against the
+    /// running totals; returns what disagrees. For tests and debugging.
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        audit::audit(&self.lock())
+    }
+}
+
+impl<B: Backend> Drop for Shared<B> {
+    /// Memory freed in stream order may still be in use on its stream:
+    /// wait for those streams before the mappings go. Memory still
+    /// allocated when the last handle to the pool goes stays mapped, as
+    /// with CUDA's pools, so that no live pointer dangles; with no pool left
+    /// to free it to, it stays until the process ends. So does all of it
+    /// when pending frees cannot be waited for (a graph capture under way).
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        let waited = inner.wait_for_pending_frees();
+        let used = inner.live_bytes();
+        if used > 0 || (!waited && !inner.streams.is_empty()) {
+            tracing::warn!(
+                pool = self.id,
+                used,
+                pending_streams = inner.streams.len(),
+                "pool dropped with live allocations, or during a graph capture with frees \
+                 pending: its memory stays mapped"
+            );
+            inner.space.forget_mappings();
+        }
+        if let Some(recorder) = &self.recorder {
+            if let Err(err) = recorder.flush() {
+                tracing::warn!(%err, "writing the allocation trace failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! A pool's properties, fixed at creation (as `cudaMemPoolProps`), their
+//! defaults, and the text forms the tools and the C layer read.
+
+use std::path::PathBuf;
+
+use vmm::DeviceId;
+
+/// Properties fixed when a pool is created (as `cudaMemPoolProps`).
+#[derive(Debug, Clone)]
+pub struct PoolProps {
+    pub device: DeviceId,
+    /// Most physical bytes the pool may hold; `None`: no limit but the
+    /// device's memory. [`crate::Pool::set_max_size`] changes it later.
+    pub max_size: Option<u64>,
+    /// Largest chunk a growth of the large-allocation arena creates, in bytes
+    /// (rounded up to the granularity); `None`: [`DEFAULT_CHUNK_SIZE`]. The
+    /// small-allocation arena always grows by one granule.
+    pub chunk_size: Option<u64>,
+    /// Scales growth chunks with the pool: a growth of the large-allocation
+    /// arena creates chunks of at most the pool's reserved bytes over this
+    /// divisor (at least one granule, at most `chunk_size`), so that the
+    /// free memory a partly used chunk can strand stays a small share of
+    /// the pool, at the price of more chunks, each a driver call, while the
+    /// pool is small. With it, growth also moves first the free units whose
+    /// free block ends on unit boundaries at both ends. Default
+    /// [`DEFAULT_CHUNK_DIVISOR`]; `None`: every growth uses `chunk_size`,
+    /// fewer driver calls for a larger footprint. See Note [Growth chunk
+    /// size] in docs/DESIGN.md.
+    pub chunk_divisor: Option<u64>,
+    /// With a `chunk_divisor`: while the pool holds fewer bytes than this,
+    /// growth creates chunks of one granule, whatever the divisor gives. A
+    /// small pool's footprint is the most sensitive to its chunk size, and
+    /// growing to this size takes at most this over the granule in chunks,
+    /// so a coarse divisor saves driver calls where they add up, in large
+    /// pools. Default [`DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor
+    /// alone.
+    pub granule_growth_below: u64,
+    /// Virtual address space to reserve; `None`: four times the device's
+    /// memory, so that address space never runs short before memory does.
+    pub va_size: Option<u64>,
+    /// Whether growth may remap unused chunks (free units and spares) into
+    /// the new range. Off, the pool behaves like a conventional one: new
+    /// memory for every range that does not fit. On by default.
+    pub defragment: bool,
+    /// Record every allocation and free of the pool to this file, in the
+    /// shared trace format (`vmpool-replay` replays it). `None`: the
+    /// environment variable `VMPOOL_RECORD`, if set, names a path prefix,
+    /// and each pool records to `PREFIX.<pool id>.trace`.
+    pub record: Option<PathBuf>,
+    /// How the pool's memory can be shared with other processes
+    /// (`cudaMemPoolProps::handleTypes`); see [`crate::ipc`].
+    pub handle_type: HandleType,
+}
+
+/// The kinds of handle a pool's memory can be exported as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HandleType {
+    /// Not shareable (the default).
+    #[default]
+    None,
+    /// POSIX file descriptors (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`):
+    /// chunks are created exportable, and the pool can be exported to
+    /// another process.
+    PosixFileDescriptor,
+}
+
+impl PoolProps {
+    pub fn new(device: DeviceId) -> Self {
+        Self {
+            device,
+            max_size: None,
+            chunk_size: None,
+            chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
+            granule_growth_below: DEFAULT_GRANULE_GROWTH_BELOW,
+            va_size: None,
+            defragment: true,
+            record: None,
+            handle_type: HandleType::None,
+        }
+    }
+}
+
+/// The largest growth chunk by default, 32 MiB. Each chunk costs a fixed
+/// driver time to create, map and give access to, and to move, whatever its
+/// size, so small chunks make growth slow; physical memory moves only in
+/// whole chunks, so large ones strand free memory. Pools of 64 GiB and more
+/// grow by it; smaller ones by smaller chunks ([`DEFAULT_CHUNK_DIVISOR`]).
+/// See Note [Growth chunk size] in docs/DESIGN.md.
+pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
+
+/// The default [`PoolProps::chunk_divisor`]: growth chunks of at most a
+/// 2048th of the pool, so 2 MiB granules until the pool holds 4 GiB: the
+/// footprint of fine chunks on every training trace, paid for in growth
+/// time (docs/RESULTS.md).
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
+
+/// The default [`PoolProps::granule_growth_below`], 2 GiB: 1,024 chunks of
+/// 2 MiB. At the default divisor it changes nothing (a 2048th of the pool
+/// is under a granule until 4 GiB); at a coarser one, such as the C
+/// layer's, it keeps small pools at the footprint of fine chunks.
+pub const DEFAULT_GRANULE_GROWTH_BELOW: u64 = 2 << 30;
+
+/// Allocations below this size share the small arena (see Note
+/// [Placement] in docs/DESIGN.md).
+pub const SMALL_LIMIT: u64 = 1 << 20;
+
+/// A [`PoolProps::chunk_divisor`] as text, as `VMPOOL_CHUNK_DIVISOR` and
+/// `vmpool-replay --chunk-divisor` take it: a whole number, at least 1, or
+/// `off` for whole chunks (`None`); spaces around it are ignored. The error
+/// says what was expected.
+pub fn parse_chunk_divisor(text: &str) -> std::result::Result<Option<u64>, String> {
+    match text.trim() {
+        "off" => Ok(None),
+        t => match t.parse::<u64>() {
+            Ok(d) if d > 0 => Ok(Some(d)),
+            _ => Err(format!(
+                "{text:?}: expected a whole number, at least 1, or off"
+            )),
+        },
+    }
+}

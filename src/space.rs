@@ -1,0 +1,541 @@
+//! A pool's address space and the physical memory in it: one reservation,
+//! the chunks mapped into it (units), the chunks held unmapped (spares),
+//! and the mappings that stay until a stream passes them (aliases). Every
+//! driver call that creates, maps, unmaps or releases a chunk is made here.
+//!
+//! ```text
+//!  reservation  [base ................................................. base+va_size)
+//!  units        [unit A ][unit B      ]      [unit C]      (each one whole chunk)
+//!  aliases                     [old place of a moved unit] (mapped until its stream passes)
+//!  spares       chunks not mapped anywhere, kept for reuse
+//!  quarantine   mappings the driver would neither unmap nor give access to
+//!  unreleased   chunks the driver would not release, tried again at the next trim
+//! ```
+//!
+//! What lies inside the units (allocations, free blocks) is the heap's
+//! business, not this object's. See Note [Physical lifecycle] and Note
+//! [Peer access] in docs/DESIGN.md.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::{Range, RangeBounds};
+use std::sync::Arc;
+
+use vmm::memory::{Chunk, Mapping, Reservation};
+use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr};
+
+use crate::ordering::StreamPos;
+use crate::stats::UnitView;
+use crate::{Error, Result};
+
+/// The old place of a unit moved while its stream could still use it: its
+/// chunk is mapped at the new place as well, and this mapping goes once
+/// the stream passes `until` (Note [Guards and aliases] in docs/DESIGN.md).
+struct Alias<B: Backend> {
+    mapping: Mapping<B>,
+    until: StreamPos,
+}
+
+/// A run of adjacent units: its address range and its mappings in order.
+pub(crate) struct UnitRun<'a, B: Backend> {
+    pub(crate) range: Range<u64>,
+    pub(crate) mappings: Vec<&'a Mapping<B>>,
+}
+
+/// What the space has done, for [`crate::PoolStats`].
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SpaceCounters {
+    pub(crate) chunks_created: u64,
+    pub(crate) chunks_released: u64,
+    pub(crate) bytes_created: u64,
+    pub(crate) bytes_released: u64,
+    pub(crate) maps: u64,
+    pub(crate) unmaps: u64,
+}
+
+/// How a [`Space`] is made.
+pub(crate) struct SpaceProps {
+    pub(crate) device: DeviceId,
+    pub(crate) va_size: u64,
+    pub(crate) granule: u64,
+    /// Chunks are created exportable.
+    pub(crate) shareable: bool,
+    /// Most physical bytes the space may hold.
+    pub(crate) max_size: u64,
+}
+
+pub(crate) struct Space<B: Backend> {
+    device: DeviceId,
+    reservation: Arc<Reservation<B>>,
+    granule: u64,
+    shareable: bool,
+    /// Mapped units by address; every mapped byte is in the heap of its
+    /// arena.
+    units: BTreeMap<u64, Mapping<B>>,
+    /// Chunks held but not mapped.
+    spares: Vec<Arc<Chunk<B>>>,
+    /// Mappings that could be neither given access nor unmapped: out of
+    /// service, kept so their chunks stay accounted for.
+    quarantine: Vec<Mapping<B>>,
+    /// Chunks the driver would not release: still held and counted as
+    /// reserved, released again at the next trim (or when the pool goes).
+    unreleased: Vec<Arc<Chunk<B>>>,
+    /// Old mappings of moved units, by address.
+    aliases: BTreeMap<u64, Alias<B>>,
+    /// Physical bytes held: every chunk from its creation to its release.
+    reserved: u64,
+    reserved_high: u64,
+    max_size: u64,
+    /// What each device may do with the memory (`cudaMemPoolSetAccess`):
+    /// the owner's read-write first, then peers. Every mapping made gets it.
+    access: Vec<AccessDesc>,
+    pub(crate) counters: SpaceCounters,
+}
+
+impl<B: Backend> Space<B> {
+    /// Reserves the address range; no memory yet.
+    pub(crate) fn new(backend: &Arc<B>, props: SpaceProps) -> Result<Self> {
+        Ok(Self {
+            device: props.device,
+            reservation: Reservation::new(backend, props.va_size as usize, 0)?,
+            granule: props.granule,
+            shareable: props.shareable,
+            units: BTreeMap::new(),
+            spares: Vec::new(),
+            quarantine: Vec::new(),
+            unreleased: Vec::new(),
+            aliases: BTreeMap::new(),
+            reserved: 0,
+            reserved_high: 0,
+            max_size: props.max_size,
+            access: vec![AccessDesc::read_write(props.device)],
+            counters: SpaceCounters::default(),
+        })
+    }
+
+    pub(crate) fn base(&self) -> u64 {
+        self.reservation.base().0
+    }
+
+    pub(crate) fn granule(&self) -> u64 {
+        self.granule
+    }
+
+    fn backend(&self) -> &Arc<B> {
+        self.reservation.backend()
+    }
+
+    pub(crate) fn units(&self) -> &BTreeMap<u64, Mapping<B>> {
+        &self.units
+    }
+
+    pub(crate) fn spares(&self) -> &[Arc<Chunk<B>>] {
+        &self.spares
+    }
+
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    pub(crate) fn reserved_high(&self) -> u64 {
+        self.reserved_high
+    }
+
+    pub(crate) fn reset_reserved_high(&mut self) {
+        self.reserved_high = self.reserved;
+    }
+
+    pub(crate) fn set_max_size(&mut self, max_size: u64) {
+        self.max_size = max_size;
+    }
+
+    pub(crate) fn mapped_bytes(&self) -> u64 {
+        self.units.values().map(|m| m.size() as u64).sum()
+    }
+
+    pub(crate) fn spare_bytes(&self) -> u64 {
+        self.spares.iter().map(|c| c.size() as u64).sum()
+    }
+
+    pub(crate) fn unit_views(&self) -> Vec<UnitView> {
+        self.units
+            .iter()
+            .map(|(&va, m)| UnitView {
+                va,
+                size: m.size() as u64,
+                chunk: m.chunk().handle().0,
+            })
+            .collect()
+    }
+
+    /// The address of the first unit under `[ptr, ptr + size)` and the
+    /// chunks of all of them, in address order. The range must be live, so
+    /// that its units are mapped and stay put.
+    pub(crate) fn units_under(&self, ptr: u64, size: u64) -> (u64, Vec<Arc<Chunk<B>>>) {
+        let first = self
+            .units
+            .range(..=ptr)
+            .next_back()
+            .map_or(ptr, |(&va, _)| va);
+        let chunks = self
+            .units
+            .range(first..ptr + size.max(1))
+            .map(|(_, m)| Arc::clone(m.chunk()))
+            .collect();
+        (first, chunks)
+    }
+
+    /// The units in `range` in runs of adjacent ones, in address order.
+    pub(crate) fn unit_runs(&self, range: impl RangeBounds<u64>) -> Vec<UnitRun<'_, B>> {
+        let mut runs: Vec<UnitRun<'_, B>> = Vec::new();
+        for (&va, m) in self.units.range(range) {
+            match runs.last_mut() {
+                Some(run) if run.range.end == va => {
+                    run.range.end += m.size() as u64;
+                    run.mappings.push(m);
+                }
+                _ => runs.push(UnitRun {
+                    range: va..va + m.size() as u64,
+                    mappings: vec![m],
+                }),
+            }
+        }
+        runs
+    }
+
+    /// Takes all spare chunks out, to be put back with [`Space::keep_spare`]
+    /// or mapped.
+    pub(crate) fn take_spares(&mut self) -> Vec<Arc<Chunk<B>>> {
+        std::mem::take(&mut self.spares)
+    }
+
+    /// Puts back spares [`Space::take_spares`] took out and did not use.
+    pub(crate) fn return_spares(&mut self, spares: impl IntoIterator<Item = Arc<Chunk<B>>>) {
+        self.spares.extend(spares);
+    }
+
+    /// Keeps an unused chunk for later, unless an alias still maps it: then
+    /// the alias hands it over when it goes.
+    pub(crate) fn keep_spare(&mut self, chunk: Arc<Chunk<B>>) {
+        if Arc::strong_count(&chunk) == 1 {
+            self.spares.push(chunk);
+        }
+    }
+
+    /// A new chunk of `size` bytes, counted as reserved; refused past the
+    /// size limit.
+    pub(crate) fn create_chunk(&mut self, size: u64) -> Result<Arc<Chunk<B>>> {
+        if self.reserved + size > self.max_size {
+            return Err(Error::PoolLimit {
+                requested: size,
+                reserved: self.reserved,
+                max_size: self.max_size,
+            });
+        }
+        let chunk = if self.shareable {
+            Chunk::new_shareable(self.backend(), self.device, size as usize)?
+        } else {
+            Chunk::new(self.backend(), self.device, size as usize)?
+        };
+        self.reserved += size;
+        self.reserved_high = self.reserved_high.max(self.reserved);
+        self.counters.chunks_created += 1;
+        self.counters.bytes_created += size;
+        tracing::trace!(handle = chunk.handle().0, size, "created chunk");
+        Ok(chunk)
+    }
+
+    /// Maps `chunks` side by side from `start`, each as one unit, then gives
+    /// the whole range the access list in one driver call, which costs about
+    /// as much for many chunks as for one. On failure, what this call
+    /// mapped is unmapped again and every chunk is spare.
+    pub(crate) fn map_at(&mut self, start: u64, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
+        let mut at = start;
+        let mut done: Vec<u64> = Vec::new();
+        let mut chunks = chunks.into_iter();
+        let mut failure = None;
+        while let Some(chunk) = chunks.next() {
+            let size = chunk.size() as u64;
+            match Mapping::new(&self.reservation, (at - self.base()) as usize, &chunk) {
+                Ok(mapping) => {
+                    self.counters.maps += 1;
+                    tracing::trace!(
+                        va = format_args!("{at:#x}"),
+                        len = size,
+                        handle = chunk.handle().0,
+                        "mapped unit"
+                    );
+                    self.units.insert(at, mapping);
+                    done.push(at);
+                    at += size;
+                }
+                Err(err) => {
+                    self.keep_spare(chunk);
+                    for chunk in chunks.by_ref() {
+                        self.keep_spare(chunk);
+                    }
+                    failure = Some(err.into());
+                }
+            }
+        }
+        if failure.is_none() && at > start {
+            let access = self.mapping_access();
+            if let Err(err) =
+                self.backend()
+                    .set_access(DevicePtr(start), (at - start) as usize, &access)
+            {
+                failure = Some(err.into());
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(err) => {
+                for va in done {
+                    let mapping = self.units.remove(&va).expect("mapped above");
+                    self.retire(mapping);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Takes the unit at `va` out of the units, still mapped.
+    pub(crate) fn remove_unit(&mut self, va: u64) -> Mapping<B> {
+        self.units.remove(&va).expect("a unit is mapped there")
+    }
+
+    /// Puts back a unit [`Space::remove_unit`] took out.
+    pub(crate) fn restore_unit(&mut self, va: u64, mapping: Mapping<B>) {
+        self.units.insert(va, mapping);
+    }
+
+    /// Unmaps a mapping taken out of the units; on failure it comes back.
+    pub(crate) fn unmap(
+        &mut self,
+        mapping: Mapping<B>,
+    ) -> std::result::Result<Arc<Chunk<B>>, (Error, Mapping<B>)> {
+        match mapping.unmap() {
+            Ok(chunk) => {
+                self.counters.unmaps += 1;
+                tracing::trace!(handle = chunk.handle().0, "unmapped unit");
+                Ok(chunk)
+            }
+            Err((err, mapping)) => Err((err.into(), mapping)),
+        }
+    }
+
+    /// Unmaps a mapping that is not (or no longer) a unit, keeping its
+    /// chunk as spare; one that will not unmap is quarantined.
+    pub(crate) fn retire(&mut self, mapping: Mapping<B>) {
+        match self.unmap(mapping) {
+            Ok(chunk) => self.keep_spare(chunk),
+            Err((err, mapping)) => {
+                tracing::warn!(%err, va = %mapping.va(), "could not unmap; mapping taken out of service");
+                self.quarantine.push(mapping);
+            }
+        }
+    }
+
+    /// Keeps the unit just taken out at `va` mapped as an alias until its
+    /// stream passes `until`.
+    pub(crate) fn add_alias(&mut self, va: u64, mapping: Mapping<B>, until: StreamPos) {
+        self.aliases.insert(va, Alias { mapping, until });
+    }
+
+    /// Unmaps the aliases of `stream` up to position `upto`.
+    pub(crate) fn retire_aliases(&mut self, stream: u64, upto: u64) {
+        let passed: Vec<u64> = self
+            .aliases
+            .iter()
+            .filter(|(_, a)| a.until.stream == stream && a.until.seq <= upto)
+            .map(|(&va, _)| va)
+            .collect();
+        for va in passed {
+            let alias = self.aliases.remove(&va).expect("listed above");
+            tracing::debug!(
+                va = format_args!("{va:#x}"),
+                "unmapping the old place of a moved unit"
+            );
+            self.retire(alias.mapping);
+        }
+    }
+
+    pub(crate) fn has_aliases_of(&self, stream: u64) -> bool {
+        self.aliases.values().any(|a| a.until.stream == stream)
+    }
+
+    /// The aliases in `[start, end)`: (address, size), in address order.
+    pub(crate) fn aliases_in(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.aliases
+            .range(start..end)
+            .map(|(&va, a)| (va, a.mapping.size() as u64))
+    }
+
+    pub(crate) fn aliased_bytes(&self) -> u64 {
+        self.aliases.values().map(|a| a.mapping.size() as u64).sum()
+    }
+
+    /// Drops a chunk the pool no longer wants; the driver frees it. A chunk
+    /// the driver will not release stays held (and reserved), for the next
+    /// trim to try again.
+    pub(crate) fn release(&mut self, chunk: Arc<Chunk<B>>) {
+        let size = chunk.size() as u64;
+        debug_assert_eq!(
+            Arc::strong_count(&chunk),
+            1,
+            "a released chunk has one owner"
+        );
+        match Chunk::release(chunk) {
+            Ok(()) => {
+                self.reserved -= size;
+                self.counters.chunks_released += 1;
+                self.counters.bytes_released += size;
+                tracing::trace!(size, "released chunk");
+            }
+            Err((err, chunk)) => {
+                tracing::warn!(%err, size, "could not release a chunk; kept for the next trim");
+                self.unreleased.push(chunk);
+            }
+        }
+    }
+
+    /// Tries again to release the chunks the driver would not release.
+    pub(crate) fn retry_unreleased(&mut self) {
+        for chunk in std::mem::take(&mut self.unreleased) {
+            self.release(chunk);
+        }
+    }
+
+    /// Releases the `count` largest spare chunks.
+    pub(crate) fn release_largest_spares(&mut self, count: usize) {
+        self.spares.sort_by_key(|c| std::cmp::Reverse(c.size()));
+        let going: Vec<Arc<Chunk<B>>> = self.spares.drain(..count).collect();
+        for chunk in going {
+            self.release(chunk);
+        }
+    }
+
+    /// What `device` may do with the memory.
+    pub(crate) fn access(&self, device: DeviceId) -> Access {
+        self.access
+            .iter()
+            .find(|d| d.device == device)
+            .map_or(Access::None, |d| d.access)
+    }
+
+    /// The access a new mapping gets: the list without its "none" entries
+    /// (a mapping starts with no access for anyone).
+    fn mapping_access(&self) -> Vec<AccessDesc> {
+        self.access
+            .iter()
+            .copied()
+            .filter(|d| d.access != Access::None)
+            .collect()
+    }
+
+    /// Applies `desc` to every unit, one driver call per run of adjacent
+    /// units, then records it for later mappings. On failure the runs
+    /// already changed get the device's previous access back.
+    pub(crate) fn set_access(&mut self, desc: AccessDesc) -> Result<()> {
+        let previous = AccessDesc {
+            device: desc.device,
+            access: self.access(desc.device),
+        };
+        let runs = self.unit_runs(..);
+        for (i, run) in runs.iter().enumerate() {
+            if let Err(err) = set_run_access(&run.mappings, desc) {
+                for done in &runs[..i] {
+                    if let Err(err) = set_run_access(&done.mappings, previous) {
+                        tracing::warn!(%err, "could not restore a mapping's access");
+                    }
+                }
+                return Err(err.into());
+            }
+        }
+        match self.access.iter_mut().find(|d| d.device == desc.device) {
+            Some(d) => d.access = desc.access,
+            None => self.access.push(desc),
+        }
+        Ok(())
+    }
+
+    /// Leaves every mapping in place for good: for a pool that goes while
+    /// memory in it may still be used.
+    pub(crate) fn forget_mappings(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.units));
+        std::mem::forget(std::mem::take(&mut self.quarantine));
+    }
+
+    /// Checks the space's own tables: units that overlap, chunks held
+    /// twice, aliases over units or of streams `registered` does not know,
+    /// and the reserved count against the chunks held. Returns the bytes
+    /// mapped as units and the number of chunks held.
+    pub(crate) fn audit(
+        &self,
+        registered: impl Fn(u64) -> bool,
+        problems: &mut Vec<String>,
+    ) -> (u64, u64) {
+        let mut chunks: HashMap<ChunkHandle, u64> = HashMap::new();
+        let mut hold = |c: &Arc<Chunk<B>>, problems: &mut Vec<String>| {
+            if chunks.insert(c.handle(), c.size() as u64).is_some() {
+                problems.push(format!("{:?} is held twice", c.handle()));
+            }
+        };
+        let mut mapped = 0;
+        let mut prev_end = 0;
+        for (&va, m) in &self.units {
+            if va < prev_end {
+                problems.push(format!("unit at {va:#x} overlaps the one before"));
+            }
+            prev_end = va + m.size() as u64;
+            mapped += m.size() as u64;
+            hold(m.chunk(), problems);
+        }
+        for c in &self.spares {
+            hold(c, problems);
+        }
+        for m in &self.quarantine {
+            hold(m.chunk(), problems);
+        }
+        for c in &self.unreleased {
+            hold(c, problems);
+        }
+        // An alias's chunk is usually mapped at its new place too.
+        for (&va, a) in &self.aliases {
+            let c = a.mapping.chunk();
+            chunks.entry(c.handle()).or_insert(c.size() as u64);
+            let end = va + a.mapping.size() as u64;
+            if self
+                .units
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&u, m)| u + m.size() as u64 > va)
+            {
+                problems.push(format!("alias at {va:#x} overlaps a unit"));
+            }
+            if !registered(a.until.stream) {
+                problems.push(format!(
+                    "alias at {va:#x}: stream {} not registered",
+                    a.until.stream
+                ));
+            }
+        }
+        let reserved: u64 = chunks.values().sum();
+        if reserved != self.reserved {
+            problems.push(format!(
+                "reserved {} but chunks add up to {reserved}",
+                self.reserved
+            ));
+        }
+        (mapped, chunks.len() as u64)
+    }
+}
+
+/// Sets `desc` on a run of adjacent mappings with one driver call.
+fn set_run_access<B: Backend>(run: &[&Mapping<B>], desc: AccessDesc) -> vmm::Result<()> {
+    let first = run[0];
+    let size = run.iter().map(|m| m.size()).sum();
+    first
+        .reservation()
+        .backend()
+        .set_access(first.va(), size, &[desc])
+}

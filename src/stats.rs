@@ -1,0 +1,174 @@
+//! What a pool says about itself: CUDA's attributes, vmpool's statistics,
+//! and a snapshot of its address space with a readable listing.
+
+/// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolAttribute {
+    /// Bytes the pool may keep cached across a synchronization.
+    ReleaseThreshold,
+    ReuseFollowEventDependencies,
+    ReuseAllowOpportunistic,
+    ReuseAllowInternalDependencies,
+    /// Physical bytes held (read-only).
+    ReservedMemCurrent,
+    /// High-water mark of the above; setting it to 0 resets it to current.
+    ReservedMemHigh,
+    /// Bytes of live allocations (read-only).
+    UsedMemCurrent,
+    /// High-water mark of the above; setting it to 0 resets it to current.
+    UsedMemHigh,
+}
+
+impl PoolAttribute {
+    /// The three cross-stream reuse switches, in this order: follow event
+    /// dependencies, opportunistic, internal dependencies (Note
+    /// [Event-based reuse] in docs/DESIGN.md).
+    pub const REUSE_SWITCHES: [PoolAttribute; 3] = [
+        PoolAttribute::ReuseFollowEventDependencies,
+        PoolAttribute::ReuseAllowOpportunistic,
+        PoolAttribute::ReuseAllowInternalDependencies,
+    ];
+}
+
+/// What the pool has done, beyond CUDA's attributes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub allocations: u64,
+    pub frees: u64,
+    /// Allocations that needed new mapped space.
+    pub grows: u64,
+    /// Time spent growing (planning and driver calls), in nanoseconds.
+    pub grow_nanos: u64,
+    /// Units unmapped from one place and mapped at another.
+    pub remaps: u64,
+    pub bytes_remapped: u64,
+    pub chunks_created: u64,
+    pub chunks_released: u64,
+    pub bytes_created: u64,
+    pub bytes_released: u64,
+    /// Driver map and unmap calls.
+    pub maps: u64,
+    pub unmaps: u64,
+    pub trims: u64,
+    /// Stream-ordered allocations served by memory freed on the same stream.
+    pub same_stream_reuses: u64,
+    /// ... by memory freed on a stream they were ordered after by an event.
+    pub dependency_reuses: u64,
+    /// Stream-ordered frees moved back to the heap because their stream
+    /// had passed them (their event completed, or a synchronization).
+    pub frees_completed: u64,
+    /// ... by memory freed on another stream, after making them wait for it.
+    pub waits_inserted: u64,
+    /// Stream-ordered frees merged back into the heap early, when their
+    /// own stream missed: that stream reuses them at any size; others only
+    /// as the reuse switches allow (see `Guard`).
+    pub frees_merged: u64,
+    /// Events recorded on streams to learn when their frees complete.
+    pub events_recorded: u64,
+    /// Current state.
+    pub reserved_bytes: u64,
+    pub used_bytes: u64,
+    pub mapped_bytes: u64,
+    pub spare_bytes: u64,
+    pub units: u64,
+    pub largest_free_range: u64,
+    /// Freed in stream order, waiting for their stream to pass the free.
+    pub pending_bytes: u64,
+    /// Old places of units moved while their stream could still use them:
+    /// mapped (to the same memory as the new place) until it passes.
+    pub aliased_bytes: u64,
+}
+
+/// A picture of a pool's address space: for a debug dump (its `Display`
+/// is a readable listing) and for drawing.
+#[derive(Debug, Clone)]
+pub struct PoolSnapshot {
+    pub base: u64,
+    pub va_size: u64,
+    /// The arenas' ranges: small allocations, then large ones.
+    pub arenas: Vec<(u64, u64)>,
+    /// Mapped units in address order.
+    pub units: Vec<UnitView>,
+    /// Free mapped ranges (start, length), in address order.
+    pub free: Vec<(u64, u64)>,
+    /// Chunks held unmapped: (chunk handle, size).
+    pub spares: Vec<(u64, u64)>,
+    pub stats: PoolStats,
+}
+
+/// One mapped chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitView {
+    pub va: u64,
+    pub size: u64,
+    /// The backend's chunk handle: the same chunk keeps it when remapped.
+    pub chunk: u64,
+}
+
+impl PoolSnapshot {
+    /// Free bytes inside [start, start + len).
+    pub fn free_in(&self, start: u64, len: u64) -> u64 {
+        let end = start + len;
+        self.free
+            .iter()
+            .map(|&(s, l)| (s.max(start), (s + l).min(end)))
+            .filter(|(s, e)| e > s)
+            .map(|(s, e)| e - s)
+            .sum()
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+impl std::fmt::Display for PoolSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = &self.stats;
+        writeln!(
+            f,
+            "pool at {:#x} (+{}): reserved {} in {} chunks, used {}, pending {}, spare {}, largest free range {}",
+            self.base,
+            mib(self.va_size),
+            mib(st.reserved_bytes),
+            self.units.len() + self.spares.len(),
+            mib(st.used_bytes),
+            mib(st.pending_bytes),
+            mib(st.spare_bytes),
+            mib(st.largest_free_range),
+        )?;
+        writeln!(
+            f,
+            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims",
+            st.grows,
+            st.remaps,
+            mib(st.bytes_remapped),
+            st.chunks_created,
+            st.chunks_released,
+            st.trims
+        )?;
+        for (i, &(start, end)) in self.arenas.iter().enumerate() {
+            writeln!(
+                f,
+                "  arena {} [{start:#x}, {end:#x}):",
+                ["small", "large"][i]
+            )?;
+            for u in self.units.iter().filter(|u| u.va >= start && u.va < end) {
+                let free = self.free_in(u.va, u.size);
+                writeln!(
+                    f,
+                    "    {:#x} {:>10}  chunk {:<6} live {:>10}  free {:>10}",
+                    u.va,
+                    mib(u.size),
+                    u.chunk,
+                    mib(u.size - free),
+                    mib(free)
+                )?;
+            }
+        }
+        for &(chunk, size) in &self.spares {
+            writeln!(f, "  spare chunk {chunk} ({})", mib(size))?;
+        }
+        Ok(())
+    }
+}
