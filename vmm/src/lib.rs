@@ -10,6 +10,8 @@
 //!      │               POSIX descriptors, streams, events, and a little
 //!      │               async work for tests
 //!      ├── memory.rs   Reservation / Chunk / Mapping: teardown order by ownership
+//!      ├── ranges.rs   the reservation and mapping tables both backends
+//!      │               check every call against
 //!      ├── cuda/       CUDA driver API through cudarc's sys layer, dlopen'd
 //!      └── host/       the same model on Linux: memfd chunks mmap'd into a
 //!                      PROT_NONE reservation, streams as worker threads
@@ -24,6 +26,7 @@ mod error;
 pub mod faulty;
 pub mod host;
 pub mod memory;
+mod ranges;
 mod types;
 
 pub use backend::Backend;

@@ -53,7 +53,7 @@ mod context;
 pub mod peers;
 mod result;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::ptr;
@@ -64,6 +64,7 @@ use cudarc::driver::sys;
 
 use self::context::DeviceContext;
 use crate::error::report_drop_error;
+use crate::ranges::Ranges;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
     MemInfo, Result,
@@ -88,63 +89,34 @@ struct ChunkEntry {
 /// What vmm created and has not freed yet.
 #[derive(Debug, Default)]
 struct Tables {
-    /// Reservation base -> size.
-    reservations: BTreeMap<u64, usize>,
-    /// Mapping start -> size; mappings never overlap.
-    mappings: BTreeMap<u64, usize>,
+    reservations: Ranges<()>,
+    mappings: Ranges<()>,
     /// Live (not yet released) chunk handles.
     chunks: HashMap<u64, ChunkEntry>,
 }
 
 impl Tables {
-    /// Whether one reservation holds all of `[start, end)`.
-    fn in_one_reservation(&self, start: u64, end: u64) -> bool {
-        self.reservations
-            .range(..=start)
-            .next_back()
-            .is_some_and(|(&base, &size)| end <= base + size as u64)
-    }
-
-    fn overlaps_mapping(&self, start: u64, end: u64) -> bool {
-        self.mappings
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&va, &size)| va + size as u64 > start)
-    }
-
-    /// The contiguous mappings, as `(start, end)`, that together cover
-    /// `[start, end)`, first to last; `None` when a byte of it is unmapped.
-    fn covering(&self, start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
-        let (&first, _) = self.mappings.range(..=start).next_back()?;
-        let mut run = Vec::new();
-        let mut at = first;
-        for (&va, &size) in self.mappings.range(first..) {
-            if va != at || at >= end {
-                break;
-            }
-            at = va + size as u64;
-            run.push((va, at));
-        }
-        (at >= end).then_some(run)
-    }
-
-    /// Whether `[start, end)` is exactly a run of whole mappings.
-    fn is_whole_mappings(&self, start: u64, end: u64) -> bool {
-        self.covering(start, end).is_some_and(|run| {
-            run.first().is_some_and(|&(va, _)| va == start)
-                && run.last().is_some_and(|&(_, last)| last == end)
-        })
+    /// The starts of the mappings that make up exactly `[start, start +
+    /// size)`, inside one reservation; `None` unless it is such a run.
+    fn whole_mappings(&self, start: u64, size: usize) -> Option<Vec<u64>> {
+        self.reservations.containing(start, size)?;
+        self.mappings.whole_run(start, size)
     }
 }
 
-/// `[va, va + size)` as numbers, for a non-empty range that does not wrap.
-fn span(call: &'static str, va: DevicePtr, size: usize) -> Result<(u64, u64)> {
+/// `va` as a number, after checking that `[va, va + size)` is not empty and
+/// does not wrap around the address space.
+fn start_of(call: &'static str, va: DevicePtr, size: usize) -> Result<u64> {
     if size == 0 {
         return Err(Error::invalid(call, "size is zero"));
     }
-    va.0.checked_add(size as u64)
-        .map(|end| (va.0, end))
-        .ok_or_else(|| Error::invalid(call, format!("{size} bytes at {va} wrap around")))
+    match va.0.checked_add(size as u64) {
+        Some(_) => Ok(va.0),
+        None => Err(Error::invalid(
+            call,
+            format!("{size} bytes at {va} wrap around"),
+        )),
+    }
 }
 
 /// Checks that the value called `name` is a multiple of `granularity`.
@@ -255,9 +227,9 @@ impl Cuda {
         va: DevicePtr,
         size: usize,
     ) -> Result<MutexGuard<'_, Tables>> {
-        let (start, end) = span(call, va, size)?;
+        let start = start_of(call, va, size)?;
         let tables = self.tables();
-        if tables.covering(start, end).is_none() {
+        if tables.mappings.covering(start, size).is_none() {
             return Err(Error::invalid(
                 call,
                 format!("{size} bytes at {va} are not all mapped"),
@@ -415,20 +387,20 @@ impl Backend for Cuda {
         }
         let _bound = first.bind()?;
         let base = result::mem_address_reserve(size, alignment.max(first.granularity()))?;
-        self.tables().reservations.insert(base, size);
+        self.tables().reservations.insert(base, size, ());
         Ok(DevicePtr(base))
     }
 
     fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
-        let (start, end) = span("free_reservation", base, size)?;
+        let start = start_of("free_reservation", base, size)?;
         let mut tables = self.tables();
-        if tables.reservations.get(&start) != Some(&size) {
+        if tables.reservations.get(start).map(|r| r.size) != Some(size) {
             return Err(Error::invalid(
                 "free_reservation",
                 format!("no reservation of {size} bytes at {base}"),
             ));
         }
-        if tables.overlaps_mapping(start, end) {
+        if tables.mappings.overlaps(start, size) {
             return Err(Error::invalid(
                 "free_reservation",
                 format!("the reservation at {base} still has mappings"),
@@ -439,7 +411,7 @@ impl Backend for Cuda {
         // `reserve`, with nothing mapped in it; the lock keeps it so until
         // it is removed below.
         unsafe { result::mem_address_free(start, size) }?;
-        tables.reservations.remove(&start);
+        tables.reservations.remove(start);
         Ok(())
     }
 
@@ -473,16 +445,16 @@ impl Backend for Cuda {
             ));
         };
         let size = entry.size;
-        let (start, end) = span("map", va, size)?;
+        let start = start_of("map", va, size)?;
         let context = self.device("map", entry.device)?;
         check_granular("map", context.granularity(), "address", start)?;
-        if !tables.in_one_reservation(start, end) {
+        if tables.reservations.containing(start, size).is_none() {
             return Err(Error::invalid(
                 "map",
                 format!("{size} bytes at {va} are not inside one reservation"),
             ));
         }
-        if tables.overlaps_mapping(start, end) {
+        if tables.mappings.overlaps(start, size) {
             return Err(Error::invalid(
                 "map",
                 format!("{size} bytes at {va} overlap an existing mapping"),
@@ -493,31 +465,26 @@ impl Backend for Cuda {
         // one of vmm's reservations with nothing mapped; the lock keeps all
         // of that true until the mapping is recorded below.
         unsafe { result::mem_map(start, size, 0, chunk.0) }?;
-        tables.mappings.insert(start, size);
+        tables.mappings.insert(start, size, ());
         Ok(())
     }
 
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
-        let (start, end) = span("unmap", va, size)?;
+        let start = start_of("unmap", va, size)?;
         let mut tables = self.tables();
-        if !tables.in_one_reservation(start, end) || !tables.is_whole_mappings(start, end) {
+        let Some(gone) = tables.whole_mappings(start, size) else {
             return Err(Error::invalid(
                 "unmap",
                 format!("{size} bytes at {va} are not a run of whole mappings"),
             ));
-        }
+        };
         let _bound = self.first().bind()?;
         // SAFETY: the tables say the range is exactly whole mappings made by
         // `map`; the caller guarantees (trait contract) that no queued work
         // still touches it.
         unsafe { result::mem_unmap(start, size) }?;
-        let gone: Vec<u64> = tables
-            .mappings
-            .range(start..end)
-            .map(|(&va, _)| va)
-            .collect();
         for va in gone {
-            tables.mappings.remove(&va);
+            tables.mappings.remove(va);
         }
         Ok(())
     }
@@ -541,9 +508,9 @@ impl Backend for Cuda {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let (start, end) = span("set_access", va, size)?;
+        let start = start_of("set_access", va, size)?;
         let tables = self.tables();
-        if !tables.in_one_reservation(start, end) || !tables.is_whole_mappings(start, end) {
+        if tables.whole_mappings(start, size).is_none() {
             return Err(Error::invalid(
                 "set_access",
                 format!("{size} bytes at {va} are not a run of whole mappings"),

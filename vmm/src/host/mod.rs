@@ -32,7 +32,7 @@
 mod stream;
 mod sys;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -40,6 +40,7 @@ use std::time::Duration;
 
 pub use stream::{HostEvent, HostStream};
 
+use crate::ranges::Ranges;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
     MemInfo, Result,
@@ -224,7 +225,6 @@ struct ChunkEntry {
 }
 
 struct MappingEntry {
-    size: usize,
     chunk: u64,
     /// Access granted to each device; a device not listed has none.
     access: HashMap<DeviceId, Access>,
@@ -232,47 +232,15 @@ struct MappingEntry {
 
 #[derive(Default)]
 struct Tables {
-    /// Reservation base -> size.
-    reservations: BTreeMap<u64, usize>,
+    reservations: Ranges<()>,
     chunks: HashMap<u64, ChunkEntry>,
-    /// Mapping start -> entry; mappings never overlap.
-    mappings: BTreeMap<u64, MappingEntry>,
+    mappings: Ranges<MappingEntry>,
     /// Physical bytes in existence on each device.
     used: Vec<usize>,
     next_chunk: u64,
 }
 
 impl Tables {
-    /// The reservation holding all of [start, start + size), if one does.
-    fn reservation_of(&self, start: u64, size: usize) -> Option<(u64, usize)> {
-        let (&base, &len) = self.reservations.range(..=start).next_back()?;
-        (start + size as u64 <= base + len as u64).then_some((base, len))
-    }
-
-    /// The mappings that tile [start, start + size) exactly, first to last,
-    /// or `None` when a byte of it is unmapped.
-    fn covering(&self, start: u64, size: usize) -> Option<Vec<(u64, &MappingEntry)>> {
-        let end = start + size as u64;
-        let first = self.mappings.range(..=start).next_back()?;
-        let mut out = Vec::new();
-        let mut at = *first.0;
-        for (&va, entry) in self.mappings.range(at..) {
-            if va != at || at >= end {
-                break;
-            }
-            out.push((va, entry));
-            at = va + entry.size as u64;
-        }
-        (at >= end && *first.0 + first.1.size as u64 > start).then_some(out)
-    }
-
-    fn overlaps_mapping(&self, start: u64, size: usize) -> bool {
-        self.mappings
-            .range(..start + size as u64)
-            .next_back()
-            .is_some_and(|(&va, m)| va + m.size as u64 > start)
-    }
-
     /// Forgets a chunk once it is both released and unmapped everywhere.
     fn collect(&mut self, handle: u64) {
         if let Some(c) = self.chunks.get(&handle) {
@@ -333,15 +301,18 @@ impl Memory {
         f: impl FnOnce() -> T,
     ) -> Result<T> {
         let tables = self.tables();
-        let covering = tables.covering(start.0, len.max(1)).ok_or_else(|| {
-            Error::rejected(
-                "stream access",
-                ErrorKind::StreamFault,
-                format!("{len} bytes at {start} are not all mapped"),
-            )
-        })?;
+        let covering = tables
+            .mappings
+            .covering(start.0, len.max(1))
+            .ok_or_else(|| {
+                Error::rejected(
+                    "stream access",
+                    ErrorKind::StreamFault,
+                    format!("{len} bytes at {start} are not all mapped"),
+                )
+            })?;
         for (va, m) in covering {
-            let has = m.access.get(&device).copied().unwrap_or(Access::None);
+            let has = m.value.access.get(&device).copied().unwrap_or(Access::None);
             let ok = match need {
                 Access::ReadWrite => has == Access::ReadWrite,
                 Access::Read => has != Access::None,
@@ -433,26 +404,26 @@ impl Backend for Host {
         self.memory
             .tables_mut()
             .reservations
-            .insert(start as u64, size);
+            .insert(start as u64, size, ());
         Ok(DevicePtr(start as u64))
     }
 
     fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
         let mut tables = self.memory.tables_mut();
-        if tables.reservations.get(&base.0) != Some(&size) {
+        if tables.reservations.get(base.0).map(|r| r.size) != Some(size) {
             return Err(Error::invalid(
                 "free_reservation",
                 format!("no reservation of {size} bytes at {base}"),
             ));
         }
-        if tables.overlaps_mapping(base.0, size) {
+        if tables.mappings.overlaps(base.0, size) {
             return Err(Error::invalid(
                 "free_reservation",
                 format!("the reservation at {base} still has mappings"),
             ));
         }
         sys::release_range(base.0 as usize, size)?;
-        tables.reservations.remove(&base.0);
+        tables.reservations.remove(base.0);
         Ok(())
     }
 
@@ -517,8 +488,8 @@ impl Backend for Host {
     fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
         self.check_device("get_access", device)?;
         let tables = self.memory.tables();
-        match tables.covering(va.0, 1).as_deref() {
-            Some([(_, m)]) => Ok(m.access.get(&device).copied().unwrap_or(Access::None)),
+        match tables.mappings.covering(va.0, 1).as_deref() {
+            Some([(_, m)]) => Ok(m.value.access.get(&device).copied().unwrap_or(Access::None)),
             _ => Err(Error::invalid("get_access", format!("{va} is not mapped"))),
         }
     }
@@ -552,13 +523,13 @@ impl Backend for Host {
                 ))
             }
         };
-        if tables.reservation_of(va.0, size).is_none() {
+        if tables.reservations.containing(va.0, size).is_none() {
             return Err(Error::invalid(
                 "map",
                 format!("{size} bytes at {va} are not inside one reservation"),
             ));
         }
-        if tables.overlaps_mapping(va.0, size) {
+        if tables.mappings.overlaps(va.0, size) {
             return Err(Error::invalid(
                 "map",
                 format!("{size} bytes at {va} overlap an existing mapping"),
@@ -567,8 +538,8 @@ impl Backend for Host {
         sys::map_shared(va.0 as usize, size, &*fd)?;
         tables.mappings.insert(
             va.0,
+            size,
             MappingEntry {
-                size,
                 chunk: chunk.0,
                 access: HashMap::new(),
             },
@@ -584,20 +555,15 @@ impl Backend for Host {
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
         self.check_size("unmap", size)?;
         let mut tables = self.memory.tables_mut();
-        let starts: Vec<u64> = match tables.covering(va.0, size) {
-            Some(c) if c[0].0 == va.0 && c.iter().map(|(_, m)| m.size).sum::<usize>() == size => {
-                c.iter().map(|(start, _)| *start).collect()
-            }
-            _ => {
-                return Err(Error::invalid(
-                    "unmap",
-                    format!("{size} bytes at {va} are not a run of whole mappings"),
-                ))
-            }
+        let Some(starts) = tables.mappings.whole_run(va.0, size) else {
+            return Err(Error::invalid(
+                "unmap",
+                format!("{size} bytes at {va} are not a run of whole mappings"),
+            ));
         };
         sys::unmap_to_placeholder(va.0 as usize, size)?;
         for start in starts {
-            let entry = tables.mappings.remove(&start).expect("found above");
+            let entry = tables.mappings.remove(start).expect("found above").value;
             tables
                 .chunks
                 .get_mut(&entry.chunk)
@@ -616,6 +582,7 @@ impl Backend for Host {
         }
         let mut tables = self.memory.tables_mut();
         let starts: Vec<u64> = tables
+            .mappings
             .covering(va.0, size)
             .ok_or_else(|| {
                 Error::invalid(
@@ -633,7 +600,8 @@ impl Backend for Host {
             ));
         }
         for start in starts {
-            let entry = tables.mappings.get_mut(&start).expect("found above");
+            let mapping = tables.mappings.get_mut(start).expect("found above");
+            let entry = &mut mapping.value;
             for desc in access {
                 entry.access.insert(desc.device, desc.access);
             }
@@ -647,7 +615,7 @@ impl Backend for Host {
             } else {
                 Access::None
             };
-            sys::protect(start as usize, entry.size, widest)?;
+            sys::protect(start as usize, mapping.size, widest)?;
         }
         Ok(())
     }
