@@ -39,7 +39,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
-    # tests/soak.rs and tests/replay_cli.rs run the soak and replay
+    # soak/tests/soak.rs and tests/replay_cli.rs run the soak and replay
     # binaries by their paths on this machine, on the host backend; the GPU
     # machine runs the binaries themselves (the soak and replay jobs).
     [ "$name" = soak ] && continue
@@ -58,8 +58,8 @@ for src in examples/*.rs; do
     name=$(basename "$src" .rs)
     cp "target/release/examples/$name" "$bundle/examples/$name"
 done
-for src in src/bin/*.rs; do
-    name=$(basename "$src" .rs)
+# vmpool-soak is a package of its own (soak/).
+for name in $(basename -s .rs src/bin/*.rs) vmpool-soak; do
     cp "target/release/$name" "$bundle/bin/$name"
 done
 # The C layer's call cost (capi/examples/c_calls.rs), for the c-calls job.

@@ -10,14 +10,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, Stream};
 
-mod common;
-use common::BackendKind;
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    Host,
+    Cuda,
+}
 
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
@@ -221,7 +224,11 @@ fn soak<B: Backend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Value> {
 }
 
 fn main() -> Result<()> {
-    common::init_tracing();
+    // Logs to stderr as `RUST_LOG` asks (stdout stays the report).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args = Args::parse();
     let report = match args.backend {
         BackendKind::Host => soak(
