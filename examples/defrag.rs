@@ -23,6 +23,7 @@ use anyhow::{ensure, Context as _, Result};
 use clap::Parser;
 use svg::node::element::{Rectangle, Text};
 use svg::Document;
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolSnapshot, Stream};
 
@@ -62,7 +63,7 @@ struct Outcome {
 
 /// The experiment on a vmpool pool; `request` None: as large as what the
 /// free chunks can hold (measured on the first, defragmenting run).
-fn on_vmpool<B: Backend>(
+fn on_vmpool<B: TestBackend>(
     b: &Arc<B>,
     defragment: bool,
     request: Option<u64>,
@@ -243,7 +244,7 @@ fn draw(path: &PathBuf, rows: &[(&str, &PoolSnapshot)]) -> Result<()> {
     Ok(())
 }
 
-fn run<B: Backend>(
+fn run<B: TestBackend>(
     b: &Arc<B>,
     cuda: Option<&Arc<vmm::cuda::Cuda>>,
     svg_path: &PathBuf,

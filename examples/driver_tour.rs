@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use clap::Parser;
 use vmpool::vmm::memory::{Chunk, Mapping, Reservation};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{AccessDesc, Backend, DeviceId};
 
 mod common;
@@ -45,7 +46,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn tour<B: Backend>(b: Arc<B>) -> Result<()> {
+fn tour<B: TestBackend>(b: Arc<B>) -> Result<()> {
     let b = &b;
     let g = b.granularity(DEV)?;
     let info = b.mem_info(DEV)?;
@@ -181,7 +182,7 @@ a run of adjacent {} MiB chunks, median of {ROUNDS} (us for the run): set access
 /// 32 MiB chunks with the unmap inline, and with it sent to a helper
 /// thread; on an idle device and behind queued work. The mapping
 /// thread's time per move is what an allocation waits for.
-fn unmap_on_another_thread<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+fn unmap_on_another_thread<B: TestBackend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
     const MOVES: usize = 32;
     const SIZE: usize = 32 << 20;
     let rw = [AccessDesc::read_write(DEV)];
@@ -262,7 +263,7 @@ fn unmap_on_another_thread<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) 
 /// usual cost with the delay still pending does not wait; one that takes
 /// ~200 ms does, and stalls a program that queues work ahead (PyTorch)
 /// each time the pool moves memory.
-fn behind_queued_work<B: Backend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
+fn behind_queued_work<B: TestBackend>(b: &Arc<B>, range: &Arc<Reservation<B>>) -> Result<()> {
     const DELAY: Duration = Duration::from_millis(200);
     const SIZE: usize = 32 << 20;
     let stream = b.create_stream(DEV)?;

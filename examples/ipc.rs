@@ -17,7 +17,8 @@ use std::sync::Arc;
 use anyhow::{ensure, Context as _, Result};
 use clap::Parser;
 use vmpool::ipc::{recv_handle, send_handle, ExportData, ImportedPool};
-use vmpool::vmm::{Backend, DeviceId, DevicePtr};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::{DeviceId, DevicePtr};
 use vmpool::{Context, HandleType, PoolAttribute, PoolProps};
 
 mod common;
@@ -34,13 +35,13 @@ struct Args {
     importer: Option<PathBuf>,
 }
 
-fn word_at<B: Backend>(b: &B, s: &B::Stream, at: DevicePtr) -> Result<u32> {
+fn word_at<B: TestBackend>(b: &B, s: &B::Stream, at: DevicePtr) -> Result<u32> {
     let mut word = [0u8; 4];
     b.copy_to_host(s, at, &mut word)?;
     Ok(u32::from_ne_bytes(word))
 }
 
-fn exporter<B: Backend>(b: Arc<B>, backend: &str) -> Result<()> {
+fn exporter<B: TestBackend>(b: Arc<B>, backend: &str) -> Result<()> {
     let ctx = Context::new(Arc::clone(&b))?;
     let pool = ctx.create_pool(&PoolProps {
         handle_type: HandleType::PosixFileDescriptor,
@@ -90,7 +91,7 @@ fn exporter<B: Backend>(b: Arc<B>, backend: &str) -> Result<()> {
     Ok(())
 }
 
-fn importer<B: Backend>(b: Arc<B>, path: PathBuf) -> Result<()> {
+fn importer<B: TestBackend>(b: Arc<B>, path: PathBuf) -> Result<()> {
     let mut socket = UnixStream::connect(path)?;
     let pool = ImportedPool::from_shareable_handle(&b, recv_handle(&socket)?)?;
     let mut data = [0u8; ExportData::LEN];

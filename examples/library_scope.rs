@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 use clap::Parser;
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{Context, Stream};
 
 mod common;
@@ -24,7 +25,7 @@ struct Args {
 }
 
 /// The library: it knows nothing of the caller's memory management.
-fn library_func<B: Backend>(ctx: &Context<B>, stream: &Stream<B>, n: u32) -> Result<()> {
+fn library_func<B: TestBackend>(ctx: &Context<B>, stream: &Stream<B>, n: u32) -> Result<()> {
     let scratch = ctx.alloc_async(16 << 20, stream)?;
     ctx.backend().fill_u32(
         stream.raw(),
@@ -36,7 +37,7 @@ fn library_func<B: Backend>(ctx: &Context<B>, stream: &Stream<B>, n: u32) -> Res
     Ok(())
 }
 
-fn run<B: Backend>(b: Arc<B>) -> Result<()> {
+fn run<B: TestBackend>(b: Arc<B>) -> Result<()> {
     let ctx = Context::new(b)?;
     let stream = ctx.create_stream(DEV)?;
     let mine = ctx.alloc_async(1 << 20, &stream)?;

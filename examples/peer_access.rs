@@ -14,6 +14,7 @@ use std::sync::Arc;
 use anyhow::{ensure, Result};
 use clap::Parser;
 use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Access, Backend, DeviceId, DevicePtr};
 use vmpool::{Context, Pool};
 
@@ -38,13 +39,13 @@ fn driver_view<B: Backend>(pool: &Pool<B>, device: DeviceId) -> Result<Vec<Acces
         .collect()
 }
 
-fn first_word<B: Backend>(b: &B, s: &B::Stream, at: DevicePtr) -> vmpool::vmm::Result<u32> {
+fn first_word<B: TestBackend>(b: &B, s: &B::Stream, at: DevicePtr) -> vmpool::vmm::Result<u32> {
     let mut word = [0u8; 4];
     b.copy_to_host(s, at, &mut word)?;
     Ok(u32::from_ne_bytes(word))
 }
 
-fn run<B: Backend>(b: Arc<B>) -> Result<()> {
+fn run<B: TestBackend>(b: Arc<B>) -> Result<()> {
     ensure!(
         b.device_count()? >= 2,
         "peer access needs two devices; the {} backend has {}",

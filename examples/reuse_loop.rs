@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::Parser;
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{Context, PoolAttribute, PoolStats};
 
 mod common;
@@ -29,7 +30,7 @@ fn driver_calls(a: &PoolStats, b: &PoolStats) -> u64 {
     total(b) - total(a)
 }
 
-fn run<B: Backend>(b: Arc<B>) -> Result<()> {
+fn run<B: TestBackend>(b: Arc<B>) -> Result<()> {
     let ctx = Context::new(b)?;
     let pool = ctx.default_pool(DEV)?;
     let stream = ctx.create_stream(DEV)?;

@@ -36,7 +36,8 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use proptest::test_runner::{contextualize_config, Config, TestRunner};
 use vmpool::vmm::host::{Census, Host, HostConfig};
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{
     Allocation, Context, Error, Event, Pool, PoolAttribute, PoolProps, Stream, SMALL_LIMIT,
 };

@@ -18,8 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmpool::ipc::{recv_handle, send_handle, ExportData, ImportedAllocation, ImportedPool};
-use vmpool::vmm::faulty::{Call, Faulty};
 use vmpool::vmm::host::{Census, Host, HostConfig};
+use vmpool::vmm::testing::faulty::{Call, Faulty};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, HandleType, Pool, PoolAttribute, PoolProps};
 
@@ -29,7 +30,7 @@ const DEV: DeviceId = DeviceId(0);
 const CHILD_ENV: &str = "VMPOOL_IPC_CHILD";
 const BACKEND_ENV: &str = "VMPOOL_IPC_BACKEND";
 
-fn shareable_pool<B: Backend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
+fn shareable_pool<B: TestBackend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
     let g = ctx.backend().granularity(device).unwrap() as u64;
     ctx.create_pool(&PoolProps {
         chunk_size: Some(g),
@@ -40,7 +41,7 @@ fn shareable_pool<B: Backend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
     .unwrap()
 }
 
-fn words<B: Backend>(b: &B, s: &B::Stream, ptr: vmpool::vmm::DevicePtr, size: u64) -> Vec<u32> {
+fn words<B: TestBackend>(b: &B, s: &B::Stream, ptr: vmpool::vmm::DevicePtr, size: u64) -> Vec<u32> {
     let mut bytes = vec![0u8; size as usize];
     b.copy_to_host(s, ptr, &mut bytes).unwrap();
     bytes
@@ -186,7 +187,7 @@ fn importer_process() {
 }
 
 /// Runs the test's commands: import, read, fill, drop, census, exit, quit.
-fn obey<B: Backend>(b: &Arc<B>, socket: UnixStream) {
+fn obey<B: TestBackend>(b: &Arc<B>, socket: UnixStream) {
     let handle = recv_handle(&socket).unwrap();
     let pool = ImportedPool::from_shareable_handle(b, handle).unwrap();
     let stream = b.create_stream(pool.device()).unwrap();
@@ -244,7 +245,7 @@ fn obey<B: Backend>(b: &Arc<B>, socket: UnixStream) {
 /// Both processes see each other's writes; the exporter's free waits for the
 /// importer; stale and foreign export data are refused; an importer that
 /// dies gives its leases back.
-pub fn two_processes_share_a_pool<B: Backend>(b: &Arc<B>) {
+pub fn two_processes_share_a_pool<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = shareable_pool(&ctx, DEV);
     let g = b.granularity(DEV).unwrap() as u64;
@@ -321,7 +322,7 @@ pub fn two_processes_share_a_pool<B: Backend>(b: &Arc<B>) {
 
 /// Several allocations of one chunk imported side by side, and an importer
 /// that quits cleanly.
-pub fn imports_share_chunks<B: Backend>(b: &Arc<B>) {
+pub fn imports_share_chunks<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = shareable_pool(&ctx, DEV);
     let s = b.create_stream(DEV).unwrap();
@@ -515,7 +516,11 @@ fn devices_are_matched_by_uuid_not_ordinal() {
 
 /// Imports `a` of `pool` into `importer` (in this process) and checks the
 /// data; true if it worked.
-fn import_once<E: Backend, I: Backend>(pool: &Pool<E>, a: &Allocation, importer: &Arc<I>) -> bool {
+fn import_once<E: Backend, I: TestBackend>(
+    pool: &Pool<E>,
+    a: &Allocation,
+    importer: &Arc<I>,
+) -> bool {
     let imported = match ImportedPool::from_shareable_handle(
         importer,
         pool.export_to_shareable_handle().unwrap(),

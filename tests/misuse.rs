@@ -7,7 +7,8 @@
 
 use std::sync::Arc;
 
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{Context, Error, Pool, PoolProps};
 
 // The backends and `suites!`; not the fault-injection driver.
@@ -19,7 +20,7 @@ const OTHER: DeviceId = DeviceId(1);
 const MIB: u64 = 1 << 20;
 const VA: u64 = 4 << 30;
 
-fn pool<B: Backend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
+fn pool<B: TestBackend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
     ctx.create_pool(&PoolProps {
         va_size: Some(VA),
         ..PoolProps::new(device)
@@ -29,7 +30,7 @@ fn pool<B: Backend>(ctx: &Context<B>, device: DeviceId) -> Pool<B> {
 
 /// Runs `refused`, which must fail as `expected` says, and checks that
 /// `pool` is as it was.
-fn refused<B: Backend, T: std::fmt::Debug>(
+fn refused<B: TestBackend, T: std::fmt::Debug>(
     pool: &Pool<B>,
     refused: impl FnOnce() -> vmpool::Result<T>,
     expected: impl FnOnce(&Error) -> bool,
@@ -43,7 +44,7 @@ fn refused<B: Backend, T: std::fmt::Debug>(
     pool.audit().unwrap();
 }
 
-pub fn invalid_sizes_in_stream_order<B: Backend>(b: &Arc<B>) {
+pub fn invalid_sizes_in_stream_order<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx, DEV);
     ctx.set_current_pool(&pool).unwrap();
@@ -69,7 +70,7 @@ pub fn invalid_sizes_in_stream_order<B: Backend>(b: &Arc<B>) {
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
-pub fn frees_into_the_wrong_pool<B: Backend>(b: &Arc<B>) {
+pub fn frees_into_the_wrong_pool<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let (mine, theirs) = (pool(&ctx, DEV), pool(&ctx, DEV));
     let s = ctx.create_stream(DEV).unwrap();
@@ -96,7 +97,7 @@ pub fn frees_into_the_wrong_pool<B: Backend>(b: &Arc<B>) {
 
 /// Its pool gone, an allocation stays mapped (`tests/pool.rs`,
 /// `live_memory_outlives_its_pool`) but has nowhere to be freed to.
-pub fn free_after_the_pool_is_dropped<B: Backend>(b: &Arc<B>) {
+pub fn free_after_the_pool_is_dropped<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let s = ctx.create_stream(DEV).unwrap();
     let current = ctx.current_pool(DEV).unwrap();
@@ -124,7 +125,7 @@ pub fn free_after_the_pool_is_dropped<B: Backend>(b: &Arc<B>) {
 
 /// Pools, streams and events hold what they need: with the context gone
 /// they keep working, and the last handle to go releases everything.
-pub fn handles_outlive_their_context<B: Backend>(b: &Arc<B>) {
+pub fn handles_outlive_their_context<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx, DEV);
     let (s, t) = (
@@ -152,7 +153,7 @@ pub fn handles_outlive_their_context<B: Backend>(b: &Arc<B>) {
 /// A pool serves streams of its own device only; an event is recorded only
 /// on a stream of its device (as in CUDA). Waiting on an event of another
 /// device is allowed (as in CUDA).
-pub fn streams_and_events_of_another_device<B: Backend>(b: &Arc<B>) {
+pub fn streams_and_events_of_another_device<B: TestBackend>(b: &Arc<B>) {
     assert!(
         b.device_count().unwrap() >= 2,
         "this case needs two devices"

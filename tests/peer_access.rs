@@ -14,8 +14,9 @@
 
 use std::sync::Arc;
 
-use vmpool::vmm::faulty::{Call, Faulty};
 use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::testing::faulty::{Call, Faulty};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Access, Backend, DeviceId, ErrorKind};
 use vmpool::{Allocation, Context, Error, Pool, PoolAttribute, PoolProps};
 
@@ -26,7 +27,7 @@ mod common;
 const D0: DeviceId = DeviceId(0);
 const D1: DeviceId = DeviceId(1);
 
-fn two_devices<B: Backend>(b: &Arc<B>) {
+fn two_devices<B: TestBackend>(b: &Arc<B>) {
     let n = b.device_count().unwrap();
     assert!(
         n >= 2,
@@ -37,7 +38,7 @@ fn two_devices<B: Backend>(b: &Arc<B>) {
 
 /// A pool on device 0 that grows by one granule per chunk, so that
 /// allocations span several units.
-fn granule_pool<B: Backend>(ctx: &Context<B>) -> Pool<B> {
+fn granule_pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
     let g = ctx.backend().granularity(D0).unwrap() as u64;
     ctx.create_pool(&PoolProps {
         chunk_size: Some(g),
@@ -47,7 +48,7 @@ fn granule_pool<B: Backend>(ctx: &Context<B>) -> Pool<B> {
     .unwrap()
 }
 
-fn read<B: Backend>(b: &B, s: &B::Stream, a: &Allocation) -> vmpool::vmm::Result<Vec<u32>> {
+fn read<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation) -> vmpool::vmm::Result<Vec<u32>> {
     let mut bytes = vec![0u8; a.size() as usize];
     b.copy_to_host(s, a.ptr(), &mut bytes)?;
     Ok(bytes
@@ -56,14 +57,14 @@ fn read<B: Backend>(b: &B, s: &B::Stream, a: &Allocation) -> vmpool::vmm::Result
         .collect())
 }
 
-fn fill<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, value: u32) {
+fn fill<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation, value: u32) {
     b.fill_u32(s, a.ptr(), a.size() as usize / 4, value)
         .unwrap();
     b.synchronize_stream(s).unwrap();
 }
 
 /// What the driver says `device` may do with each mapped unit of `pool`.
-fn driver_access<B: Backend>(pool: &Pool<B>, device: DeviceId) -> Vec<Access> {
+fn driver_access<B: TestBackend>(pool: &Pool<B>, device: DeviceId) -> Vec<Access> {
     pool.snapshot()
         .units
         .iter()
@@ -81,7 +82,7 @@ fn all(access: Access, n: usize) -> Vec<Access> {
 
 /// On the host backend, touching memory without access from another device
 /// is refused (a stream fault); on CUDA it would poison the context.
-fn host_refuses<B: Backend>(b: &Arc<B>, device: DeviceId, a: &Allocation) {
+fn host_refuses<B: TestBackend>(b: &Arc<B>, device: DeviceId, a: &Allocation) {
     if b.name() != "host" {
         return;
     }
@@ -94,7 +95,7 @@ fn host_refuses<B: Backend>(b: &Arc<B>, device: DeviceId, a: &Allocation) {
 
 /// A copy on device 1 reads and writes device 0's pool memory once access is
 /// granted, and is refused before.
-pub fn peer_reads_and_writes_after_access_is_granted<B: Backend>(b: &Arc<B>) {
+pub fn peer_reads_and_writes_after_access_is_granted<B: TestBackend>(b: &Arc<B>) {
     two_devices(b);
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = granule_pool(&ctx);
@@ -129,7 +130,7 @@ pub fn peer_reads_and_writes_after_access_is_granted<B: Backend>(b: &Arc<B>) {
 
 /// Memory mapped after access was granted (growth, and free chunks remapped
 /// into a new range) gets it too; revoking it takes it from everything.
-pub fn access_follows_growth_and_remaps<B: Backend>(b: &Arc<B>) {
+pub fn access_follows_growth_and_remaps<B: TestBackend>(b: &Arc<B>) {
     two_devices(b);
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = granule_pool(&ctx);
@@ -177,7 +178,7 @@ pub fn access_follows_growth_and_remaps<B: Backend>(b: &Arc<B>) {
 
 /// Each device's default pool allocates on its own device, and the other
 /// device may not touch it until given access.
-pub fn per_device_pools<B: Backend>(b: &Arc<B>) {
+pub fn per_device_pools<B: TestBackend>(b: &Arc<B>) {
     two_devices(b);
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let size: u64 = 64 << 20;
@@ -218,7 +219,7 @@ pub fn per_device_pools<B: Backend>(b: &Arc<B>) {
 
 /// Access for a device that does not exist, or less than read-write for the
 /// pool's own device: typed errors, nothing changed.
-pub fn bad_access_requests_change_nothing<B: Backend>(b: &Arc<B>) {
+pub fn bad_access_requests_change_nothing<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = granule_pool(&ctx);
     let a = pool.allocate(1 << 20).unwrap();

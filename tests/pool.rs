@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
 
@@ -14,7 +15,7 @@ const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
 
 /// Fills an allocation with `seed`.
-fn fill<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
+fn fill<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
     let words = (a.size() / 4) as usize;
     if words > 0 {
         b.fill_u32(s, a.ptr(), words, seed).unwrap();
@@ -22,7 +23,7 @@ fn fill<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
 }
 
 /// Checks that the whole allocation still holds `seed`.
-fn check<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
+fn check<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
     let len = (a.size() / 4 * 4) as usize;
     if len == 0 {
         return;
@@ -36,7 +37,7 @@ fn check<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
     );
 }
 
-fn small_pool<B: Backend>(ctx: &Context<B>) -> vmpool::Pool<B> {
+fn small_pool<B: TestBackend>(ctx: &Context<B>) -> vmpool::Pool<B> {
     ctx.create_pool(&PoolProps {
         va_size: Some(4 << 30),
         ..PoolProps::new(DEV)
@@ -44,7 +45,7 @@ fn small_pool<B: Backend>(ctx: &Context<B>) -> vmpool::Pool<B> {
     .unwrap()
 }
 
-pub fn sizes_and_alignment<B: Backend>(b: &Arc<B>) {
+pub fn sizes_and_alignment<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     let sizes = [
@@ -78,7 +79,7 @@ pub fn sizes_and_alignment<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
-pub fn more_than_half_the_device<B: Backend>(b: &Arc<B>) {
+pub fn more_than_half_the_device<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx.default_pool(DEV).unwrap();
     let total = b.mem_info(DEV).unwrap().total as u64;
@@ -91,7 +92,7 @@ pub fn more_than_half_the_device<B: Backend>(b: &Arc<B>) {
     pool.trim_to(0).unwrap();
 }
 
-pub fn invalid_requests<B: Backend>(b: &Arc<B>) {
+pub fn invalid_requests<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     assert!(matches!(pool.allocate(0), Err(Error::InvalidSize { .. })));
@@ -128,7 +129,7 @@ pub fn invalid_requests<B: Backend>(b: &Arc<B>) {
 /// least a granule, at most the chunk size) once the pool holds
 /// `granule_growth_below` bytes, one granule before; or the chunk size
 /// itself without a divisor.
-pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
+pub fn growth_chunks_scale_with_the_pool<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
     let chunk_sizes = |pool: &vmpool::Pool<B>| -> Vec<u64> {
@@ -186,7 +187,7 @@ pub fn growth_chunks_scale_with_the_pool<B: Backend>(b: &Arc<B>) {
 /// chunks scaled to the pool, first those of free blocks that start and end
 /// on unit boundaries, which leaves no part of a unit beside live bytes cut
 /// off from its free block.
-pub fn growth_moves_whole_free_blocks_first<B: Backend>(b: &Arc<B>) {
+pub fn growth_moves_whole_free_blocks_first<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
     for (chunk_divisor, moved, kept) in [(None, [3, 4], [7]), (Some(1024), [6, 7], [4])] {
@@ -239,7 +240,7 @@ pub fn growth_moves_whole_free_blocks_first<B: Backend>(b: &Arc<B>) {
     }
 }
 
-pub fn small_allocations_are_packed<B: Backend>(b: &Arc<B>) {
+pub fn small_allocations_are_packed<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     let g = b.granularity(DEV).unwrap() as u64;
@@ -253,7 +254,7 @@ pub fn small_allocations_are_packed<B: Backend>(b: &Arc<B>) {
 
 /// The seed's picture: a checkerboard of holes, then one request larger
 /// than any hole, served by remapping the free chunks, with no new memory.
-pub fn checkerboard_is_served_by_remapping<B: Backend>(b: &Arc<B>) {
+pub fn checkerboard_is_served_by_remapping<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
     let pool = ctx
@@ -300,7 +301,7 @@ pub fn checkerboard_is_served_by_remapping<B: Backend>(b: &Arc<B>) {
     }
 }
 
-pub fn trim_returns_every_chunk<B: Backend>(b: &Arc<B>) {
+pub fn trim_returns_every_chunk<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
@@ -329,7 +330,7 @@ pub fn trim_returns_every_chunk<B: Backend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
-pub fn trim_keeps_live_chunks<B: Backend>(b: &Arc<B>) {
+pub fn trim_keeps_live_chunks<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     let s = b.create_stream(DEV).unwrap();
@@ -344,7 +345,7 @@ pub fn trim_keeps_live_chunks<B: Backend>(b: &Arc<B>) {
     pool.free(keep).unwrap();
 }
 
-pub fn attributes_and_current_pool<B: Backend>(b: &Arc<B>) {
+pub fn attributes_and_current_pool<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx.default_pool(DEV).unwrap();
     assert_eq!(pool.attribute(PoolAttribute::ReleaseThreshold), 0);
@@ -367,7 +368,7 @@ pub fn attributes_and_current_pool<B: Backend>(b: &Arc<B>) {
     explicit.free(a).unwrap();
 }
 
-pub fn many_threads<B: Backend>(b: &Arc<B>) {
+pub fn many_threads<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
     std::thread::scope(|scope| {
@@ -397,7 +398,7 @@ pub fn many_threads<B: Backend>(b: &Arc<B>) {
 
 /// As with CUDA's pools: dropping the pool (and its context) with memory
 /// still allocated leaves that memory mapped and usable.
-pub fn live_memory_outlives_its_pool<B: Backend>(b: &Arc<B>) {
+pub fn live_memory_outlives_its_pool<B: TestBackend>(b: &Arc<B>) {
     let s = b.create_stream(DEV).unwrap();
     let survivor = {
         let ctx = Context::new(Arc::clone(b)).unwrap();
@@ -411,7 +412,7 @@ pub fn live_memory_outlives_its_pool<B: Backend>(b: &Arc<B>) {
     check(&**b, &s, &survivor, 0x5A5A);
 }
 
-pub fn pool_limit<B: Backend>(b: &Arc<B>) {
+pub fn pool_limit<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
         .create_pool(&PoolProps {
@@ -469,8 +470,8 @@ suites!(
 
 mod small_device {
     use super::*;
-    use vmpool::vmm::faulty::Call;
     use vmpool::vmm::host::{Host, HostConfig};
+    use vmpool::vmm::testing::faulty::Call;
 
     fn device(mib: usize) -> Arc<Host> {
         Host::new(HostConfig {
@@ -561,7 +562,7 @@ mod small_device {
 
     /// Grows, remaps and trims; errors are allowed (a fault was injected),
     /// inconsistency is not.
-    fn workload<B: Backend>(pool: &vmpool::Pool<B>) {
+    fn workload<B: TestBackend>(pool: &vmpool::Pool<B>) {
         let mut live = Vec::new();
         for i in 0..24u64 {
             if let Ok(a) = pool.allocate(MIB + (i % 5) * MIB + i * 1000) {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use vmpool::vmm::host::{Census, Host, HostConfig};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
 
@@ -32,7 +33,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn word_at<B: Backend>(b: &B, s: &B::Stream, a: &Allocation, word: u64) -> u32 {
+fn word_at<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation, word: u64) -> u32 {
     let mut bytes = [0u8; 4];
     b.copy_to_host(s, a.ptr().byte_add(word as usize * 4), &mut bytes)
         .unwrap();

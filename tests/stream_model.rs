@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use vmpool::vmm::host::{Census, Host, HostConfig};
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{Allocation, Context, PoolAttribute, PoolProps, Stream};
 
 const DEV: DeviceId = DeviceId(0);
@@ -81,7 +82,7 @@ struct Live {
     value: u32,
 }
 
-fn check<B: Backend>(b: &B, s: &Stream<B>, l: &Live) -> Result<(), TestCaseError> {
+fn check<B: TestBackend>(b: &B, s: &Stream<B>, l: &Live) -> Result<(), TestCaseError> {
     let words = (l.a.size() / 4) as usize;
     if words == 0 {
         return Ok(());

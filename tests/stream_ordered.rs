@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, Stream, DEFAULT_CHUNK_SIZE};
 
 mod common;
@@ -19,13 +20,13 @@ const MIB: u64 = 1 << 20;
 const WHOLE: u64 = DEFAULT_CHUNK_SIZE;
 const LATE: Duration = Duration::from_millis(300);
 
-fn fill<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
+fn fill<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
     b.fill_u32(s.raw(), a.ptr(), (a.size() / 4) as usize, value)
         .unwrap();
 }
 
 /// Every word of the allocation, read in `s`'s order.
-fn assert_holds<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
+fn assert_holds<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
     let len = (a.size() / 4 * 4) as usize;
     let mut bytes = vec![0u8; len];
     b.copy_to_host(s.raw(), a.ptr(), &mut bytes).unwrap();
@@ -36,7 +37,7 @@ fn assert_holds<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) {
     );
 }
 
-fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Pool<B>) {
+fn setup<B: TestBackend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Pool<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
         .create_pool(&PoolProps {
@@ -57,7 +58,7 @@ fn setup<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool::Poo
 const ALL_ON: [u64; 3] = [1, 1, 1];
 const ALL_OFF: [u64; 3] = [0, 0, 0];
 
-pub fn same_stream_reuse_without_synchronization<B: Backend>(b: &Arc<B>) {
+pub fn same_stream_reuse_without_synchronization<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_ON);
     let s = ctx.create_stream(DEV).unwrap();
     let a = ctx.alloc_async(MIB, &s).unwrap();
@@ -79,7 +80,7 @@ pub fn same_stream_reuse_without_synchronization<B: Backend>(b: &Arc<B>) {
 
 /// On stream `s`: allocates a whole chunk, runs late, writes it, frees it.
 /// Returns where it was.
-fn late_write_then_free<B: Backend>(ctx: &Context<B>, s: &Stream<B>) -> vmpool::vmm::DevicePtr {
+fn late_write_then_free<B: TestBackend>(ctx: &Context<B>, s: &Stream<B>) -> vmpool::vmm::DevicePtr {
     let a = ctx.alloc_async(WHOLE, s).unwrap();
     let ptr = a.ptr();
     ctx.backend().delay(s.raw(), LATE).unwrap();
@@ -91,7 +92,7 @@ fn late_write_then_free<B: Backend>(ctx: &Context<B>, s: &Stream<B>) -> vmpool::
 /// Stream A runs late, then writes its block and frees it; stream B, with
 /// no dependency on A, allocates the same size and writes. A's late write
 /// must never land on B's data.
-fn race<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats) {
+fn race<B: TestBackend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats) {
     let (ctx, pool) = setup(b, switches);
     let (sa, sb) = (
         ctx.create_stream(DEV).unwrap(),
@@ -112,7 +113,7 @@ fn race<B: Backend>(b: &Arc<B>, switches: [u64; 3]) -> (bool, vmpool::PoolStats)
 
 /// Frees of one stream serve that stream at any size, merged, before the
 /// work that used them has run; no other stream gets them unordered.
-pub fn own_frees_are_reused_at_any_size<B: Backend>(b: &Arc<B>) {
+pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_OFF);
     let (sa, sb) = (
         ctx.create_stream(DEV).unwrap(),
@@ -170,7 +171,7 @@ pub fn own_frees_are_reused_at_any_size<B: Backend>(b: &Arc<B>) {
 /// Defragmenting under a stream that runs behind: the free chunks under
 /// its own frees move to build a larger range at once, without new memory
 /// and without waiting; their old places stay mapped until it passes them.
-pub fn own_frees_move_before_the_stream_passes<B: Backend>(b: &Arc<B>) {
+pub fn own_frees_move_before_the_stream_passes<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
     let pool = ctx
         .create_pool(&PoolProps {
@@ -225,7 +226,7 @@ pub fn own_frees_move_before_the_stream_passes<B: Backend>(b: &Arc<B>) {
     );
 }
 
-pub fn cross_stream_race_with_switches_on<B: Backend>(b: &Arc<B>) {
+pub fn cross_stream_race_with_switches_on<B: TestBackend>(b: &Arc<B>) {
     let (same, stats) = race(b, ALL_ON);
     // Either other memory, or the same memory after a wait for A's free.
     assert!(
@@ -234,14 +235,14 @@ pub fn cross_stream_race_with_switches_on<B: Backend>(b: &Arc<B>) {
     );
 }
 
-pub fn cross_stream_race_with_switches_off<B: Backend>(b: &Arc<B>) {
+pub fn cross_stream_race_with_switches_off<B: TestBackend>(b: &Arc<B>) {
     let (same, stats) = race(b, ALL_OFF);
     assert!(!same, "B got A's memory before any synchronization");
     assert_eq!(stats.waits_inserted, 0);
     assert_eq!(stats.chunks_created, 2);
 }
 
-pub fn internal_dependency_reuses_instead_of_growing<B: Backend>(b: &Arc<B>) {
+pub fn internal_dependency_reuses_instead_of_growing<B: TestBackend>(b: &Arc<B>) {
     let (same, stats) = race(b, [0, 0, 1]);
     assert!(
         same,
@@ -251,7 +252,7 @@ pub fn internal_dependency_reuses_instead_of_growing<B: Backend>(b: &Arc<B>) {
     assert_eq!(stats.chunks_created, 1);
 }
 
-pub fn explicit_event_dependency_is_followed<B: Backend>(b: &Arc<B>) {
+pub fn explicit_event_dependency_is_followed<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, [1, 0, 0]);
     let (sa, sb) = (
         ctx.create_stream(DEV).unwrap(),
@@ -275,7 +276,7 @@ pub fn explicit_event_dependency_is_followed<B: Backend>(b: &Arc<B>) {
     ctx.synchronize_device(DEV).unwrap();
 }
 
-pub fn dependencies_follow_a_chain_of_streams<B: Backend>(b: &Arc<B>) {
+pub fn dependencies_follow_a_chain_of_streams<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, [1, 0, 0]);
     let s: Vec<Stream<B>> = (0..3).map(|_| ctx.create_stream(DEV).unwrap()).collect();
     let a = ctx.alloc_async(WHOLE, &s[0]).unwrap();
@@ -299,7 +300,7 @@ pub fn dependencies_follow_a_chain_of_streams<B: Backend>(b: &Arc<B>) {
     ctx.synchronize_device(DEV).unwrap();
 }
 
-pub fn completed_frees_are_reused_opportunistically<B: Backend>(b: &Arc<B>) {
+pub fn completed_frees_are_reused_opportunistically<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, [0, 1, 0]);
     let (sa, sb) = (
         ctx.create_stream(DEV).unwrap(),
@@ -327,7 +328,7 @@ pub fn completed_frees_are_reused_opportunistically<B: Backend>(b: &Arc<B>) {
 }
 
 /// The article's loop: allocate, launch, free, synchronize, 100 times.
-fn reuse_loop<B: Backend>(b: &Arc<B>, threshold: u64) -> vmpool::PoolStats {
+fn reuse_loop<B: TestBackend>(b: &Arc<B>, threshold: u64) -> vmpool::PoolStats {
     let (ctx, pool) = setup(b, ALL_ON);
     pool.set_attribute(PoolAttribute::ReleaseThreshold, threshold)
         .unwrap();
@@ -341,14 +342,14 @@ fn reuse_loop<B: Backend>(b: &Arc<B>, threshold: u64) -> vmpool::PoolStats {
     pool.stats()
 }
 
-pub fn threshold_zero_goes_to_the_driver_every_iteration<B: Backend>(b: &Arc<B>) {
+pub fn threshold_zero_goes_to_the_driver_every_iteration<B: TestBackend>(b: &Arc<B>) {
     let st = reuse_loop(b, 0);
     assert_eq!(st.chunks_created, 100, "{st:?}");
     assert_eq!(st.chunks_released, 100);
     assert_eq!(st.reserved_bytes, 0);
 }
 
-pub fn high_threshold_never_goes_to_the_driver_after_the_first<B: Backend>(b: &Arc<B>) {
+pub fn high_threshold_never_goes_to_the_driver_after_the_first<B: TestBackend>(b: &Arc<B>) {
     let st = reuse_loop(b, u64::MAX);
     assert_eq!(st.chunks_created, 1, "{st:?}");
     assert_eq!(st.chunks_released, 0);
@@ -357,7 +358,7 @@ pub fn high_threshold_never_goes_to_the_driver_after_the_first<B: Backend>(b: &A
 
 /// The article's library: allocation in function scope on the caller's
 /// stream, with no synchronization anywhere.
-fn library_func<B: Backend>(ctx: &Context<B>, stream: &Stream<B>, value: u32) {
+fn library_func<B: TestBackend>(ctx: &Context<B>, stream: &Stream<B>, value: u32) {
     let scratch = ctx.alloc_async(8 * MIB, stream).unwrap();
     ctx.backend()
         .fill_u32(stream.raw(), scratch.ptr(), (8 * MIB / 4) as usize, value)
@@ -365,7 +366,7 @@ fn library_func<B: Backend>(ctx: &Context<B>, stream: &Stream<B>, value: u32) {
     ctx.free_async(scratch, stream).unwrap();
 }
 
-pub fn library_allocates_in_function_scope<B: Backend>(b: &Arc<B>) {
+pub fn library_allocates_in_function_scope<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_ON);
     let s = ctx.create_stream(DEV).unwrap();
     let mine = ctx.alloc_async(MIB, &s).unwrap();
@@ -380,7 +381,7 @@ pub fn library_allocates_in_function_scope<B: Backend>(b: &Arc<B>) {
     ctx.synchronize_stream(&s).unwrap();
 }
 
-pub fn free_async_to_another_context_fails<B: Backend>(b: &Arc<B>) {
+pub fn free_async_to_another_context_fails<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _pool) = setup(b, ALL_ON);
     let (other, _other_pool) = setup(b, ALL_ON);
     let s = ctx.create_stream(DEV).unwrap();
@@ -393,7 +394,7 @@ pub fn free_async_to_another_context_fails<B: Backend>(b: &Arc<B>) {
     ));
 }
 
-pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
+pub fn many_threads_many_streams<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_ON);
     std::thread::scope(|scope| {
         for t in 0..4u32 {
@@ -440,7 +441,7 @@ pub fn many_threads_many_streams<B: Backend>(b: &Arc<B>) {
 /// and the others on or for the capturing stream; a refused call spoils
 /// the capture). Memory another stream freed and has not passed is not taken
 /// during the capture, as that needs a wait; afterwards it is.
-pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: Backend>(b: &Arc<B>) {
+pub fn a_capturing_stream_allocates_without_spoiling_the_capture<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool) = setup(b, ALL_ON);
     let s = ctx.create_stream(DEV).unwrap();
     let other = ctx.create_stream(DEV).unwrap();
@@ -539,11 +540,11 @@ fn a_full_device_waits_for_the_frees_of_other_pools() {
 
 mod faults {
     use super::*;
-    use vmpool::vmm::faulty::Call;
+    use vmpool::vmm::testing::faulty::Call;
 
     /// Cross-stream reuse through every rule, on a pool whose driver calls
     /// may fail: errors are allowed, inconsistency is not.
-    fn workload<B: Backend>(ctx: &Context<B>, pool: &vmpool::Pool<B>) {
+    fn workload<B: TestBackend>(ctx: &Context<B>, pool: &vmpool::Pool<B>) {
         let s: Vec<Stream<B>> = (0..3).map(|_| ctx.create_stream(DEV).unwrap()).collect();
         let mut live: Vec<(Allocation, usize)> = Vec::new();
         for i in 0..30usize {

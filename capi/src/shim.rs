@@ -977,6 +977,7 @@ impl<B: Backend> Shim<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmpool::vmm::testing::TestBackend;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         Config::from_lookup(|name| {

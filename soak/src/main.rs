@@ -13,7 +13,8 @@ use anyhow::{ensure, Result};
 use clap::{Parser, ValueEnum};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
-use vmpool::vmm::{self, Backend, DeviceId};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::{self, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, Stream};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -66,12 +67,12 @@ fn trace_like_size(rng: &mut SmallRng) -> u64 {
     (2f64.powf(log2) as u64).max(4)
 }
 
-fn fill<B: Backend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) -> Result<()> {
+fn fill<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, value: u32) -> Result<()> {
     Ok(b.fill_u32(s.raw(), a.ptr(), (a.size() / 4) as usize, value)?)
 }
 
 /// Checks both ends and some words in between; returns the bytes read.
-fn check<B: Backend>(
+fn check<B: TestBackend>(
     b: &B,
     s: &Stream<B>,
     a: &Allocation,
@@ -96,7 +97,7 @@ fn check<B: Backend>(
     Ok(read)
 }
 
-fn worker<B: Backend>(
+fn worker<B: TestBackend>(
     ctx: &Context<B>,
     streams: &[Stream<B>],
     me: usize,
@@ -151,7 +152,7 @@ fn worker<B: Backend>(
     Ok(t)
 }
 
-fn soak<B: Backend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Value> {
+fn soak<B: TestBackend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Value> {
     let baseline_free = backend.mem_info(DEV)?.free;
     let ctx = Context::new(backend)?;
     let pool = ctx.default_pool(DEV)?;

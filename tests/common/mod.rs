@@ -27,7 +27,7 @@ pub fn cuda() -> Arc<vmpool::vmm::cuda::Cuda> {
 
 /// `suites!(case, ...)`: a test per case on the host backend (module
 /// `host`), and with `--features gpu-tests` on the CUDA backend too
-/// (module `cuda`). Each case is a `fn case<B: Backend>(b: &Arc<B>)`.
+/// (module `cuda`). Each case is a `fn case<B: TestBackend>(b: &Arc<B>)`.
 #[macro_export]
 macro_rules! suites {
     ($($case:ident),* $(,)?) => {
@@ -58,8 +58,8 @@ macro_rules! suites {
 /// `Faulty::disarm` says). After each run the backend must hold nothing.
 /// Returns how many faults were injected.
 pub fn at_every_call_site(
-    calls: &[vmpool::vmm::faulty::Call],
-    scenario: impl Fn(&Arc<vmpool::vmm::faulty::Faulty<Host>>) -> bool,
+    calls: &[vmpool::vmm::testing::faulty::Call],
+    scenario: impl Fn(&Arc<vmpool::vmm::testing::faulty::Faulty<Host>>) -> bool,
 ) -> usize {
     let mut injected = 0;
     for &call in calls {
@@ -71,7 +71,7 @@ pub fn at_every_call_site(
                 granularity: 2 << 20,
             })
             .unwrap();
-            let b = vmpool::vmm::faulty::Faulty::new(Arc::clone(&host));
+            let b = vmpool::vmm::testing::faulty::Faulty::new(Arc::clone(&host));
             b.fail_nth(call, n);
             let fired = scenario(&b);
             assert_eq!(

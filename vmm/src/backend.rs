@@ -12,10 +12,10 @@
 //! event frees it.
 //!
 //! Adding a backend means one new folder beside `cuda/` and `host/` that
-//! implements this trait; nothing else changes.
+//! implements this trait (and `testing::TestBackend`, for the test suites);
+//! nothing else changes.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::time::Duration;
 
 use crate::{Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo, Result};
 
@@ -134,31 +134,4 @@ pub trait Backend: Send + Sync + 'static {
     /// Work queued on `stream` after this call waits for the work `event`
     /// captured at the time of this call.
     fn stream_wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
-
-    // ---- asynchronous work for tests and examples --------------------------
-
-    /// Queues a write of `count` copies of `value` (4 bytes each) at `dst`.
-    fn fill_u32(
-        &self,
-        stream: &Self::Stream,
-        dst: DevicePtr,
-        count: usize,
-        value: u32,
-    ) -> Result<()>;
-    /// Copies `dst.len()` bytes from `src` after the work queued on `stream`,
-    /// and returns once they are in `dst`.
-    fn copy_to_host(&self, stream: &Self::Stream, src: DevicePtr, dst: &mut [u8]) -> Result<()>;
-    /// Queues work that keeps `stream` busy for `duration`. (The CUDA
-    /// backend compiles its spin kernel on the first call, about 0.1 s.)
-    fn delay(&self, stream: &Self::Stream, duration: Duration) -> Result<()>;
-    /// Starts capturing `stream`'s work into a graph, as PyTorch's
-    /// `torch.cuda.graph` does (global mode): see
-    /// [`Backend::stream_capturing`] for what the driver then refuses.
-    /// The host backend captures nothing, but refuses the same calls, and
-    /// work or a synchronisation on the capturing stream.
-    fn begin_capture(&self, stream: &Self::Stream) -> Result<()>;
-    /// Ends the capture `begin_capture` started on this thread and drops
-    /// the graph. An error if the capture was invalidated (on CUDA, by a
-    /// refused call on the capturing thread, or in global mode on any).
-    fn end_capture(&self, stream: &Self::Stream) -> Result<()>;
 }

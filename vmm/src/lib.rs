@@ -7,14 +7,15 @@
 //!   vmm│
 //!      ├── backend.rs  the trait: devices, VA ranges, chunks, mappings,
 //!      │               access (set and query), chunk export / import as
-//!      │               POSIX descriptors, streams, events, and a little
-//!      │               async work for tests
+//!      │               POSIX descriptors, streams and events
 //!      ├── memory.rs   Reservation / Chunk / Mapping: teardown order by ownership
 //!      ├── ranges.rs   the reservation and mapping tables both backends
 //!      │               check every call against
 //!      ├── cuda/       CUDA driver API through cudarc's sys layer, dlopen'd
-//!      └── host/       the same model on Linux: memfd chunks mmap'd into a
-//!                      PROT_NONE reservation, streams as worker threads
+//!      ├── host/       the same model on Linux: memfd chunks mmap'd into a
+//!      │               PROT_NONE reservation, streams as worker threads
+//!      └── testing/    (feature `testing`) work for tests to queue on a
+//!                      stream, and a backend wrapper that injects faults
 //! ```
 //!
 //! Every `unsafe` block of the project is in this crate, and each carries a
@@ -23,10 +24,11 @@
 mod backend;
 pub mod cuda;
 mod error;
-pub mod faulty;
 pub mod host;
 pub mod memory;
 mod ranges;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod types;
 
 pub use backend::Backend;

@@ -1,6 +1,7 @@
-//! The conformance suite: one set of cases written against `Backend`, run on
-//! the host backend always and on the CUDA backend with `--features gpu-tests`
-//! (which fails, not skips, when no CUDA device can be opened).
+//! The conformance suite: one set of cases written against `TestBackend` (the
+//! `Backend` and the work the cases queue), run on the host backend always and
+//! on the CUDA backend with `--features gpu-tests` (which fails, not skips,
+//! when no CUDA device can be opened).
 //!
 //! Cases that would poison a CUDA context (a kernel touching memory without
 //! access is a sticky illegal-address error) are host-only, at the bottom.
@@ -11,17 +12,18 @@ use std::time::{Duration, Instant};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use vmm::memory::{Chunk, Mapping, Reservation};
 
+use vmm::testing::TestBackend;
 use vmm::{Access, AccessDesc, Backend, DeviceId, ErrorKind, EventStatus, Result};
 
 const DEV: DeviceId = DeviceId(0);
 /// Long enough that work queued behind it is still pending when checked.
 const DELAY: Duration = Duration::from_millis(300);
 
-fn granularity<B: Backend>(b: &Arc<B>) -> usize {
+fn granularity<B: TestBackend>(b: &Arc<B>) -> usize {
     b.granularity(DEV).expect("granularity")
 }
 
-fn read_u32s<B: Backend>(b: &B, s: &B::Stream, at: vmm::DevicePtr, n: usize) -> Vec<u32> {
+fn read_u32s<B: TestBackend>(b: &B, s: &B::Stream, at: vmm::DevicePtr, n: usize) -> Vec<u32> {
     let mut bytes = vec![0u8; n * 4];
     b.copy_to_host(s, at, &mut bytes).expect("copy_to_host");
     bytes
@@ -32,13 +34,13 @@ fn read_u32s<B: Backend>(b: &B, s: &B::Stream, at: vmm::DevicePtr, n: usize) -> 
 
 /// A reservation of `granules` granules with one chunk mapped read-write at
 /// its start.
-struct Fixture<B: Backend> {
+struct Fixture<B: TestBackend> {
     reservation: Arc<Reservation<B>>,
     chunk: Arc<Chunk<B>>,
     mapping: Mapping<B>,
 }
 
-fn fixture<B: Backend>(b: &Arc<B>, granules: usize) -> Fixture<B> {
+fn fixture<B: TestBackend>(b: &Arc<B>, granules: usize) -> Fixture<B> {
     let g = granularity(b);
     let reservation = Reservation::new(b, granules * g, 0).expect("reserve");
     let chunk = Chunk::new(b, DEV, g).expect("create chunk");
@@ -62,7 +64,7 @@ fn assert_kind<T: std::fmt::Debug>(result: Result<T>, kind: ErrorKind) {
 
 // ---- devices ---------------------------------------------------------------
 
-pub fn devices_and_granularity<B: Backend>(b: &Arc<B>) {
+pub fn devices_and_granularity<B: TestBackend>(b: &Arc<B>) {
     assert!(b.device_count().unwrap() >= 1);
     let g = granularity(b);
     assert!(g.is_power_of_two() && g >= 4096, "granularity {g}");
@@ -85,7 +87,7 @@ pub fn devices_and_granularity<B: Backend>(b: &Arc<B>) {
 
 // ---- address space ---------------------------------------------------------
 
-pub fn reserve_alignment<B: Backend>(b: &Arc<B>) {
+pub fn reserve_alignment<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let r = Reservation::new(b, 8 * g, 0).unwrap();
     assert!(r.base().is_aligned(g), "{:?} not aligned to {g}", r.base());
@@ -100,7 +102,7 @@ pub fn reserve_alignment<B: Backend>(b: &Arc<B>) {
     assert_kind(b.reserve(g + 4096, 0), ErrorKind::InvalidArgument);
 }
 
-pub fn free_reservation_errors<B: Backend>(b: &Arc<B>) {
+pub fn free_reservation_errors<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let base = b.reserve(4 * g, 0).unwrap();
     assert_kind(b.free_reservation(base, 2 * g), ErrorKind::InvalidArgument);
@@ -110,7 +112,7 @@ pub fn free_reservation_errors<B: Backend>(b: &Arc<B>) {
 
 // ---- chunks ----------------------------------------------------------------
 
-pub fn chunk_errors<B: Backend>(b: &Arc<B>) {
+pub fn chunk_errors<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     assert_kind(b.create_chunk(DEV, 0), ErrorKind::InvalidArgument);
     assert_kind(b.create_chunk(DEV, g / 2), ErrorKind::InvalidArgument);
@@ -119,7 +121,7 @@ pub fn chunk_errors<B: Backend>(b: &Arc<B>) {
     assert_kind(b.release_chunk(h), ErrorKind::InvalidArgument);
 }
 
-pub fn out_of_memory<B: Backend>(b: &Arc<B>) {
+pub fn out_of_memory<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let total = b.mem_info(DEV).unwrap().total;
     let too_big = total.next_multiple_of(g) + g;
@@ -130,7 +132,7 @@ pub fn out_of_memory<B: Backend>(b: &Arc<B>) {
 
 // ---- mappings --------------------------------------------------------------
 
-pub fn map_errors<B: Backend>(b: &Arc<B>) {
+pub fn map_errors<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let f = fixture(b, 4);
     let base = f.reservation.base();
@@ -162,7 +164,7 @@ pub fn map_errors<B: Backend>(b: &Arc<B>) {
     drop(m);
 }
 
-pub fn double_unmap<B: Backend>(b: &Arc<B>) {
+pub fn double_unmap<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let f = fixture(b, 2);
     let va = f.reservation.base().byte_add(g);
@@ -177,7 +179,7 @@ pub fn double_unmap<B: Backend>(b: &Arc<B>) {
 /// One set-access call and one unmap call each take a run of adjacent
 /// whole mappings (`Backend::unmap`'s contract); after the unmap the
 /// chunks map again, with their data.
-pub fn unmap_a_run_of_mappings<B: Backend>(b: &Arc<B>) {
+pub fn unmap_a_run_of_mappings<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let r = Reservation::new(b, 8 * g, 0).unwrap();
@@ -207,7 +209,7 @@ pub fn unmap_a_run_of_mappings<B: Backend>(b: &Arc<B>) {
     );
 }
 
-pub fn set_access_errors<B: Backend>(b: &Arc<B>) {
+pub fn set_access_errors<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let f = fixture(b, 2);
     // The second granule is reserved but not mapped.
@@ -225,7 +227,7 @@ pub fn set_access_errors<B: Backend>(b: &Arc<B>) {
     );
 }
 
-pub fn remap_keeps_data<B: Backend>(b: &Arc<B>) {
+pub fn remap_keeps_data<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let f = fixture(b, 4);
@@ -240,7 +242,7 @@ pub fn remap_keeps_data<B: Backend>(b: &Arc<B>) {
     assert!(back.iter().all(|&w| w == 0xC0FFEE01), "data lost in remap");
 }
 
-pub fn two_mappings_share_data<B: Backend>(b: &Arc<B>) {
+pub fn two_mappings_share_data<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let f = fixture(b, 4);
@@ -260,7 +262,7 @@ pub fn two_mappings_share_data<B: Backend>(b: &Arc<B>) {
     );
 }
 
-pub fn multi_granule_chunk<B: Backend>(b: &Arc<B>) {
+pub fn multi_granule_chunk<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let r = Reservation::new(b, 8 * g, 0).unwrap();
@@ -281,7 +283,7 @@ pub fn multi_granule_chunk<B: Backend>(b: &Arc<B>) {
     assert!(b.unmap(low.va(), g).is_err());
 }
 
-pub fn owners_keep_teardown_order<B: Backend>(b: &Arc<B>) {
+pub fn owners_keep_teardown_order<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let Fixture {
@@ -300,7 +302,7 @@ pub fn owners_keep_teardown_order<B: Backend>(b: &Arc<B>) {
 
 // ---- streams and events ----------------------------------------------------
 
-pub fn stream_order<B: Backend>(b: &Arc<B>) {
+pub fn stream_order<B: TestBackend>(b: &Arc<B>) {
     let s = b.create_stream(DEV).unwrap();
     let f = fixture(b, 1);
     let va = f.mapping.va();
@@ -311,7 +313,7 @@ pub fn stream_order<B: Backend>(b: &Arc<B>) {
     assert_eq!(read_u32s(&**b, &s, va, 1024), vec![50; 1024]);
 }
 
-pub fn delay_holds_stream<B: Backend>(b: &Arc<B>) {
+pub fn delay_holds_stream<B: TestBackend>(b: &Arc<B>) {
     let s = b.create_stream(DEV).unwrap();
     // The CUDA backend loads (JIT-compiles) its delay kernel on first use,
     // about 0.1 s; keep that out of what is measured.
@@ -329,7 +331,7 @@ pub fn delay_holds_stream<B: Backend>(b: &Arc<B>) {
     assert!(total >= DELAY, "stream was busy only {total:?}");
 }
 
-pub fn event_query<B: Backend>(b: &Arc<B>) {
+pub fn event_query<B: TestBackend>(b: &Arc<B>) {
     let s = b.create_stream(DEV).unwrap();
     let e = b.create_event(DEV).unwrap();
     assert_eq!(
@@ -348,7 +350,7 @@ pub fn event_query<B: Backend>(b: &Arc<B>) {
     assert_eq!(b.query_event(&e).unwrap(), EventStatus::Complete);
 }
 
-pub fn wait_across_streams<B: Backend>(b: &Arc<B>) {
+pub fn wait_across_streams<B: TestBackend>(b: &Arc<B>) {
     let (s1, s2) = (b.create_stream(DEV).unwrap(), b.create_stream(DEV).unwrap());
     let f = fixture(b, 1);
     let va = f.mapping.va();
@@ -370,7 +372,7 @@ pub fn wait_across_streams<B: Backend>(b: &Arc<B>) {
     assert_eq!(read_u32s(&**b, &s2, va, 256), vec![2; 256]);
 }
 
-pub fn chain_of_three_streams<B: Backend>(b: &Arc<B>) {
+pub fn chain_of_three_streams<B: TestBackend>(b: &Arc<B>) {
     let s: Vec<_> = (0..3).map(|_| b.create_stream(DEV).unwrap()).collect();
     let e: Vec<_> = (0..2).map(|_| b.create_event(DEV).unwrap()).collect();
     let f = fixture(b, 1);
@@ -390,7 +392,7 @@ pub fn chain_of_three_streams<B: Backend>(b: &Arc<B>) {
     assert_eq!(&words[64..], &[0xB; 64][..]);
 }
 
-pub fn wait_captures_record_at_call_time<B: Backend>(b: &Arc<B>) {
+pub fn wait_captures_record_at_call_time<B: TestBackend>(b: &Arc<B>) {
     let (s1, s2) = (b.create_stream(DEV).unwrap(), b.create_stream(DEV).unwrap());
     let e = b.create_event(DEV).unwrap();
     b.record_event(&e, &s1).unwrap();
@@ -407,7 +409,7 @@ pub fn wait_captures_record_at_call_time<B: Backend>(b: &Arc<B>) {
 
 // ---- access query and shareable chunks ---------------------------------------
 
-pub fn get_access_reports_the_driver_state<B: Backend>(b: &Arc<B>) {
+pub fn get_access_reports_the_driver_state<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let r = Reservation::new(b, 2 * g, 0).unwrap();
     let c = Chunk::new(b, DEV, g).unwrap();
@@ -428,7 +430,7 @@ pub fn get_access_reports_the_driver_state<B: Backend>(b: &Arc<B>) {
     assert_kind(b.get_access(m.va(), missing), ErrorKind::InvalidDevice);
 }
 
-pub fn only_shareable_chunks_export<B: Backend>(b: &Arc<B>) {
+pub fn only_shareable_chunks_export<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let shareable = Chunk::new_shareable(b, DEV, g).unwrap();
     let fd = shareable.export().unwrap();
@@ -451,7 +453,7 @@ pub fn only_shareable_chunks_export<B: Backend>(b: &Arc<B>) {
 
 /// What a graph capture (as PyTorch's `torch.cuda.graph` makes) refuses,
 /// which the pool must never ask for on a capturing stream.
-pub fn capture_refuses_what_crosses_it<B: Backend>(b: &Arc<B>) {
+pub fn capture_refuses_what_crosses_it<B: TestBackend>(b: &Arc<B>) {
     let s = b.create_stream(DEV).unwrap();
     let other = b.create_stream(DEV).unwrap();
     let outside = b.create_event(DEV).unwrap();
@@ -495,7 +497,7 @@ pub fn capture_refuses_what_crosses_it<B: Backend>(b: &Arc<B>) {
 /// each call once in a capture of its own, then whether the capture
 /// survived. Growing and moving memory must be allowed (a pool grows while
 /// a graph is captured); a synchronising call is refused and spoils it.
-pub fn capture_allows_growth_not_synchronisation<B: Backend>(b: &Arc<B>) {
+pub fn capture_allows_growth_not_synchronisation<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let s = b.create_stream(DEV).unwrap();
     let other = b.create_stream(DEV).unwrap();

@@ -1,48 +1,14 @@
-//! One device's primary context, how it is bound to threads, and the delay
-//! kernel loaded into it.
+//! One device's primary context and how it is bound to threads.
 
-use std::ffi::{c_int, CStr};
-use std::sync::{Mutex, PoisonError};
+use std::ffi::c_int;
+#[cfg(feature = "testing")]
+use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
 use super::result;
 use crate::error::report_drop_error;
 use crate::Result;
-
-/// Spins one thread until `ns` nanoseconds of the GPU's global timer have
-/// passed. PTX rather than a cubin, so that the driver compiles it for
-/// whatever GPU it meets; sm_70 and PTX 7.0 are far below anything that has
-/// the virtual-memory API's features vmm relies on.
-const DELAY_PTX: &CStr = c"
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry vmm_delay(
-    .param .u64 vmm_delay_param_ns
-)
-{
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
-
-    ld.param.u64 %rd1, [vmm_delay_param_ns];
-    mov.u64 %rd2, %globaltimer;
-$L_spin:
-    mov.u64 %rd3, %globaltimer;
-    sub.u64 %rd4, %rd3, %rd2;
-    setp.lt.u64 %p1, %rd4, %rd1;
-    @%p1 bra $L_spin;
-    ret;
-}
-";
-const DELAY_ENTRY: &CStr = c"vmm_delay";
-
-#[derive(Debug)]
-struct DelayKernel {
-    module: sys::CUmodule,
-    function: sys::CUfunction,
-}
 
 /// A retained primary context, released when the last owner goes: the
 /// backend and each of its streams and events hold one, so the context
@@ -53,8 +19,10 @@ pub(super) struct DeviceContext {
     device: sys::CUdevice,
     ctx: sys::CUcontext,
     granularity: usize,
-    /// Loaded on the first `delay` on one of this device's streams.
-    delay: Mutex<Option<DelayKernel>>,
+    /// The test work's delay kernel, loaded on the first `delay` on one of
+    /// this device's streams.
+    #[cfg(feature = "testing")]
+    pub(super) delay: Mutex<Option<super::testing::DelayKernel>>,
 }
 
 // SAFETY: the raw pointers are driver handles (context, module, function),
@@ -76,6 +44,7 @@ impl DeviceContext {
             device,
             ctx,
             granularity: 0,
+            #[cfg(feature = "testing")]
             delay: Mutex::new(None),
         };
         this.granularity = result::mem_get_allocation_granularity(ordinal)?;
@@ -114,31 +83,6 @@ impl DeviceContext {
             previous: Some(previous),
         })
     }
-
-    /// The delay kernel in this context, loaded on first use.
-    pub(super) fn delay_function(&self) -> Result<sys::CUfunction> {
-        let mut delay = self.delay.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(kernel) = &*delay {
-            return Ok(kernel.function);
-        }
-        let _bound = self.bind()?;
-        let module = result::module_load_data(DELAY_PTX)?;
-        // SAFETY: `module` was just loaded and is not unloaded before this.
-        match unsafe { result::module_get_function(module, DELAY_ENTRY) } {
-            Ok(function) => {
-                *delay = Some(DelayKernel { module, function });
-                Ok(function)
-            }
-            Err(err) => {
-                // SAFETY: `module` is live, its context is current (bound
-                // above on this thread) and nothing has used it.
-                if let Err(unload) = unsafe { result::module_unload(module) } {
-                    tracing::warn!(err = %unload, "unloading the delay module failed");
-                }
-                Err(err)
-            }
-        }
-    }
 }
 
 /// A context made current by [`DeviceContext::bind`]; dropping it binds the
@@ -164,25 +108,8 @@ impl Drop for Bound {
 
 impl Drop for DeviceContext {
     fn drop(&mut self) {
-        let delay = self
-            .delay
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(kernel) = delay {
-            // Streams destroyed just before may still be running the kernel.
-            let unloaded = self.bind().and_then(|_bound| {
-                result::ctx_synchronize()?;
-                // SAFETY: the module is live and its context current; the
-                // synchronisation above finished all work in the context, and
-                // no stream is left to queue more (each holds an owner of
-                // `self`).
-                unsafe { result::module_unload(kernel.module) }
-            });
-            if let Err(err) = unloaded {
-                report_drop_error("unloading the delay module", &err);
-            }
-        }
+        #[cfg(feature = "testing")]
+        self.unload_delay_kernel();
         // SAFETY: balances the retain in `open`. This is the last owner:
         // every stream and event made in the context held one, so they are
         // all destroyed and nothing uses the context after this.

@@ -4,8 +4,10 @@
 //! ```text
 //!   Cuda (this file)        the Backend: checks every call against its own
 //!      │                    tables, binds contexts, owns streams and events
-//!   context.rs              a device's primary context and its delay kernel
+//!   context.rs              a device's primary context
 //!   peers.rs                CUDA's own allocators, to benchmark against
+//!   testing.rs              test work (feature `testing`): fills, copies,
+//!      │                    a delay kernel, graph captures
 //!   result.rs               one checked function per driver call:
 //!      │                    CUresult -> crate::Result, `# Safety` on each
 //!   cudarc::driver::sys     raw bindings, resolved from libcuda by dlopen
@@ -52,13 +54,12 @@
 mod context;
 pub mod peers;
 mod result;
+#[cfg(feature = "testing")]
+mod testing;
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
 use cudarc::driver::sys;
 
@@ -677,74 +678,5 @@ impl Backend for Cuda {
         // SAFETY: both hold live handles until they are dropped; waiting on
         // an event of another device is allowed.
         unsafe { result::stream_wait_event(stream.stream, event.event) }
-    }
-
-    fn fill_u32(
-        &self,
-        stream: &CudaStream,
-        dst: DevicePtr,
-        count: usize,
-        value: u32,
-    ) -> Result<()> {
-        if !dst.is_aligned(4) {
-            return Err(Error::invalid(
-                "fill_u32",
-                format!("{dst} is not 4-byte aligned"),
-            ));
-        }
-        let len = count
-            .checked_mul(4)
-            .ok_or_else(|| Error::invalid("fill_u32", "count overflows"))?;
-        let _mapped = self.mapped("fill_u32", dst, len.max(1))?;
-        let _bound = stream.context.bind()?;
-        // SAFETY: the stream is live until dropped; the range lies in vmm's
-        // mappings, held so while the work is queued, and the caller
-        // guarantees (trait contract) that it is not unmapped before the
-        // work has run.
-        unsafe { result::memset_d32_async(dst.0, value, count, stream.stream) }
-    }
-
-    fn copy_to_host(&self, stream: &CudaStream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        let _bound = stream.context.bind()?;
-        {
-            let _mapped = self.mapped("copy_to_host", src, dst.len().max(1))?;
-            if !dst.is_empty() {
-                // SAFETY: the stream is live until dropped; the source lies
-                // in vmm's mappings, held so while the copy is queued and
-                // not unmapped before it has run (trait contract); `dst` is
-                // borrowed for this whole call and not touched until the
-                // synchronisation below, after which the copy is complete
-                // (or the context has faulted and runs no more work).
-                unsafe { result::memcpy_dtoh_async(dst, src.0, stream.stream) }?;
-            }
-        }
-        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
-        unsafe { result::stream_synchronize(stream.stream) }
-    }
-
-    fn begin_capture(&self, stream: &CudaStream) -> Result<()> {
-        let _bound = stream.context.bind()?;
-        // SAFETY: a `CudaStream` holds a live stream until it is dropped;
-        // the driver refuses the legacy default stream.
-        unsafe { result::stream_begin_capture(stream.stream) }
-    }
-
-    fn end_capture(&self, stream: &CudaStream) -> Result<()> {
-        let _bound = stream.context.bind()?;
-        // SAFETY: a live stream (as above); the driver refuses one that is
-        // not capturing, or whose capture another thread began.
-        unsafe { result::stream_end_capture(stream.stream) }
-    }
-
-    fn delay(&self, stream: &CudaStream, duration: Duration) -> Result<()> {
-        let function = stream.context.delay_function()?;
-        let _bound = stream.context.bind()?;
-        let mut ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-        let mut params = [ptr::from_mut(&mut ns).cast::<c_void>()];
-        // SAFETY: `function` is vmm_delay, loaded in the stream's own context
-        // (kept alive by the stream); its one parameter is a .u64 and
-        // `params` holds one pointer to a u64, which the driver copies
-        // before returning. The kernel touches no memory.
-        unsafe { result::launch_single_thread(function, stream.stream, &mut params) }
     }
 }

@@ -194,6 +194,7 @@ pub(crate) fn ctx_get_current() -> Result<sys::CUcontext> {
 }
 
 /// `cuCtxSynchronize`: waits for all work in the current context.
+#[cfg(feature = "testing")]
 pub(crate) fn ctx_synchronize() -> Result<()> {
     // SAFETY: cuCtxSynchronize takes no arguments; without a current context
     // it returns an error.
@@ -484,6 +485,7 @@ pub(crate) unsafe fn stream_is_capturing(stream: sys::CUstream) -> Result<bool> 
 ///
 /// # Safety
 /// 1. `stream` is a live stream from [`stream_create`].
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn stream_begin_capture(stream: sys::CUstream) -> Result<()> {
     // SAFETY: the caller upholds 1.
     check("cuStreamBeginCapture", unsafe {
@@ -500,6 +502,7 @@ pub(crate) unsafe fn stream_begin_capture(stream: sys::CUstream) -> Result<()> {
 /// # Safety
 /// 1. `stream` is a live stream capturing since [`stream_begin_capture`] on
 ///    this thread.
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<()> {
     let mut graph = ptr::null_mut();
     // SAFETY: the caller upholds 1; `graph` is a valid place for the graph.
@@ -590,6 +593,7 @@ pub(crate) unsafe fn event_synchronize(event: sys::CUevent) -> Result<()> {
 ///    [`mem_map`] (device memory, so the write never reaches host memory),
 ///    which stay mapped until the work has run. Missing access faults the
 ///    context rather than the process.
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn memset_d32_async(
     dst: sys::CUdeviceptr,
     value: u32,
@@ -610,6 +614,7 @@ pub(crate) unsafe fn memset_d32_async(
 ///    [`mem_map`], which stay mapped until the copy has run.
 /// 3. `dst` is neither read, written nor freed until the stream has
 ///    finished the copy (the caller synchronises before it returns).
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn memcpy_dtoh_async(
     dst: &mut [u8],
     src: sys::CUdeviceptr,
@@ -623,6 +628,7 @@ pub(crate) unsafe fn memcpy_dtoh_async(
 }
 
 /// `cuModuleLoadData`: JIT-compiles the PTX `image` into the current context.
+#[cfg(feature = "testing")]
 pub(crate) fn module_load_data(image: &CStr) -> Result<sys::CUmodule> {
     let mut module = ptr::null_mut();
     // SAFETY: `image` is NUL-terminated text, as the driver requires of PTX,
@@ -637,6 +643,7 @@ pub(crate) fn module_load_data(image: &CStr) -> Result<sys::CUmodule> {
 ///
 /// # Safety
 /// 1. `module` is a live module from [`module_load_data`].
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn module_get_function(
     module: sys::CUmodule,
     name: &CStr,
@@ -656,6 +663,7 @@ pub(crate) unsafe fn module_get_function(
 /// 1. `module` is a live module from [`module_load_data`], whose context is
 ///    current; neither it nor its functions are used again, and no queued
 ///    work still runs them.
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn module_unload(module: sys::CUmodule) -> Result<()> {
     // SAFETY: the caller upholds 1.
     check("cuModuleUnload", unsafe { sys::cuModuleUnload(module) })
@@ -671,6 +679,7 @@ pub(crate) unsafe fn module_unload(module: sys::CUmodule) -> Result<()> {
 /// 2. `params` matches the kernel's parameter list in number, order and
 ///    size.
 /// 3. Whatever memory the kernel touches stays valid until it has run.
+#[cfg(feature = "testing")]
 pub(crate) unsafe fn launch_single_thread(
     function: sys::CUfunction,
     stream: sys::CUstream,

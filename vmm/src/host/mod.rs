@@ -31,12 +31,13 @@
 
 mod stream;
 mod sys;
+#[cfg(feature = "testing")]
+mod testing;
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Duration;
 
 pub use stream::{HostEvent, HostStream};
 
@@ -288,69 +289,6 @@ impl Memory {
 
     fn tables_mut(&self) -> RwLockWriteGuard<'_, Tables> {
         self.tables.write().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on [start, start + len) after checking, under the read lock,
-    /// that `device` may access all of it as `need` requires.
-    fn with_access<T>(
-        &self,
-        device: DeviceId,
-        start: DevicePtr,
-        len: usize,
-        need: Access,
-        f: impl FnOnce() -> T,
-    ) -> Result<T> {
-        let tables = self.tables();
-        let covering = tables
-            .mappings
-            .covering(start.0, len.max(1))
-            .ok_or_else(|| {
-                Error::rejected(
-                    "stream access",
-                    ErrorKind::StreamFault,
-                    format!("{len} bytes at {start} are not all mapped"),
-                )
-            })?;
-        for (va, m) in covering {
-            let has = m.value.access.get(&device).copied().unwrap_or(Access::None);
-            let ok = match need {
-                Access::ReadWrite => has == Access::ReadWrite,
-                Access::Read => has != Access::None,
-                Access::None => true,
-            };
-            if !ok {
-                return Err(Error::rejected(
-                    "stream access",
-                    ErrorKind::StreamFault,
-                    format!(
-                        "{device} has {has:?} access to the mapping at {va:#x}, needs {need:?}"
-                    ),
-                ));
-            }
-        }
-        Ok(f())
-    }
-
-    fn fill(&self, device: DeviceId, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
-        let len = count
-            .checked_mul(4)
-            .ok_or_else(|| Error::invalid("fill_u32", "count overflows"))?;
-        // SAFETY: `with_access` checked that the range is mapped read-write
-        // for this device and holds the read lock while the closure runs, so
-        // it stays mapped; `fill_u32` (the trait method) checked alignment.
-        self.with_access(device, dst, len, Access::ReadWrite, || unsafe {
-            sys::fill_u32(dst.0 as usize, count, value)
-        })
-    }
-
-    fn read_bytes(&self, device: DeviceId, src: DevicePtr, len: usize) -> Result<Vec<u8>> {
-        let mut out = vec![0; len];
-        // SAFETY: as in `fill`, for read access; `copy_to_host` checked the
-        // alignment.
-        self.with_access(device, src, len, Access::Read, || unsafe {
-            sys::read(src.0 as usize, &mut out)
-        })?;
-        Ok(out)
     }
 }
 
@@ -657,44 +595,6 @@ impl Backend for Host {
 
     fn stream_wait_event(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {
         event.make_wait(stream)
-    }
-
-    fn fill_u32(
-        &self,
-        stream: &HostStream,
-        dst: DevicePtr,
-        count: usize,
-        value: u32,
-    ) -> Result<()> {
-        if !dst.is_aligned(4) {
-            return Err(Error::invalid(
-                "fill_u32",
-                format!("{dst} is not 4-byte aligned"),
-            ));
-        }
-        stream.fill(dst, count, value)
-    }
-
-    fn copy_to_host(&self, stream: &HostStream, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        if !src.is_aligned(4) {
-            return Err(Error::invalid(
-                "copy_to_host",
-                format!("{src} is not 4-byte aligned (the host backend reads whole words)"),
-            ));
-        }
-        stream.copy(src, dst)
-    }
-
-    fn begin_capture(&self, stream: &HostStream) -> Result<()> {
-        stream.set_capturing("begin_capture", true)
-    }
-
-    fn end_capture(&self, stream: &HostStream) -> Result<()> {
-        stream.set_capturing("end_capture", false)
-    }
-
-    fn delay(&self, stream: &HostStream, duration: Duration) -> Result<()> {
-        stream.delay(duration)
     }
 }
 

@@ -16,10 +16,15 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
+#[cfg(feature = "testing")]
 use std::time::Duration;
 
+#[cfg(feature = "testing")]
+use super::testing::Work;
 use super::Memory;
-use crate::{DeviceId, DevicePtr, Error, ErrorKind, EventStatus, Result};
+#[cfg(feature = "testing")]
+use crate::DevicePtr;
+use crate::{DeviceId, Error, ErrorKind, EventStatus, Result};
 
 /// Recovers a lock poisoned by a panic elsewhere: the tables it guards are
 /// updated in single steps, so they are never left half-changed.
@@ -78,19 +83,10 @@ impl Point {
 }
 
 enum Op {
-    Fill {
-        dst: DevicePtr,
-        count: usize,
-        value: u32,
-    },
-    Copy {
-        src: DevicePtr,
-        len: usize,
-        reply: mpsc::Sender<Result<Vec<u8>>>,
-    },
-    Delay(Duration),
     Signal(Arc<Point>),
     Wait(Arc<Point>),
+    #[cfg(feature = "testing")]
+    Work(Work),
 }
 
 /// What a stream's worker shares with the stream's callers.
@@ -200,16 +196,6 @@ impl HostStream {
         Error::rejected(call, ErrorKind::Other, why)
     }
 
-    fn not_capturing(&self, call: &'static str) -> Result<()> {
-        if self.capturing() {
-            return Err(self.invalidate(
-                call,
-                "the stream is capturing a graph; the host backend captures no work",
-            ));
-        }
-        Ok(())
-    }
-
     fn send(&self, op: Op) -> Result<()> {
         // The worker only exits once this sender is gone, so a send cannot
         // fail while `self` exists, short of the worker panicking.
@@ -231,19 +217,41 @@ impl HostStream {
         self.send(Op::Signal(Arc::clone(point)))
     }
 
+    pub(super) fn synchronize(&self) -> Result<()> {
+        self.memory.not_in_capture("synchronize_stream")?;
+        let point = Point::new();
+        self.signal(&point)?;
+        point.wait()
+    }
+}
+
+/// Test work (the `testing` feature), run in order with the stream's other
+/// operations.
+#[cfg(feature = "testing")]
+impl HostStream {
+    fn not_capturing(&self, call: &'static str) -> Result<()> {
+        if self.capturing() {
+            return Err(self.invalidate(
+                call,
+                "the stream is capturing a graph; the host backend captures no work",
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn fill(&self, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
         self.not_capturing("fill_u32")?;
-        self.send(Op::Fill { dst, count, value })
+        self.send(Op::Work(Work::Fill { dst, count, value }))
     }
 
     pub(super) fn copy(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
         self.memory.not_in_capture("copy_to_host")?;
         let (reply, answer) = mpsc::channel();
-        self.send(Op::Copy {
+        self.send(Op::Work(Work::Copy {
             src,
             len: dst.len(),
             reply,
-        })?;
+        }))?;
         let bytes = answer
             .recv()
             .map_err(|_| Error::rejected("copy_to_host", ErrorKind::Other, "worker has died"))??;
@@ -253,17 +261,12 @@ impl HostStream {
 
     pub(super) fn delay(&self, duration: Duration) -> Result<()> {
         self.not_capturing("delay")?;
-        self.send(Op::Delay(duration))
-    }
-
-    pub(super) fn synchronize(&self) -> Result<()> {
-        self.memory.not_in_capture("synchronize_stream")?;
-        let point = Point::new();
-        self.signal(&point)?;
-        point.wait()
+        self.send(Op::Work(Work::Delay(duration)))
     }
 }
 
+// Only test work uses the device and the memory.
+#[cfg_attr(not(feature = "testing"), allow(unused_variables))]
 fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>, progress: &Progress) {
     let mut fault: Option<Error> = None;
     for op in queue {
@@ -275,25 +278,8 @@ fn run(device: DeviceId, memory: &Memory, queue: mpsc::Receiver<Op>, progress: &
                     fault.get_or_insert(err);
                 }
             }
-            _ if fault.is_some() => {
-                if let Op::Copy { reply, .. } = op {
-                    let _ = reply.send(Err(fault.clone().expect("checked above")));
-                }
-            }
-            Op::Fill { dst, count, value } => {
-                if let Err(err) = memory.fill(device, dst, count, value) {
-                    fault = Some(err);
-                }
-            }
-            Op::Copy { src, len, reply } => {
-                let result = memory.read_bytes(device, src, len);
-                if let Err(err) = &result {
-                    fault = Some(err.clone());
-                }
-                // The caller may have gone (it never does: it blocks on this).
-                let _ = reply.send(result);
-            }
-            Op::Delay(duration) => thread::sleep(duration),
+            #[cfg(feature = "testing")]
+            Op::Work(work) => work.run(device, memory, &mut fault),
         }
         if !faulted && fault.is_some() {
             *lock(&progress.fault) = fault.clone();

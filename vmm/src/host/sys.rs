@@ -152,6 +152,7 @@ pub(super) fn protect(start: usize, size: usize, access: Access) -> Result<()> {
 ///    for the duration of the call (the caller holds the read lock that
 ///    unmap and set-access need for writing).
 /// 2. `start` is 4-byte aligned.
+#[cfg(feature = "testing")]
 pub(super) unsafe fn fill_u32(start: usize, count: usize, value: u32) {
     use std::sync::atomic::{AtomicU32, Ordering};
     // Device memory may be written by several streams at once when the
@@ -171,6 +172,7 @@ pub(super) unsafe fn fill_u32(start: usize, count: usize, value: u32) {
 /// 1. [start, start + dst.len()) is mapped readable and stays so for the
 ///    duration of the call.
 /// 2. `start` is 4-byte aligned.
+#[cfg(feature = "testing")]
 pub(super) unsafe fn read(start: usize, dst: &mut [u8]) {
     use std::sync::atomic::{AtomicU32, Ordering};
     let words = dst.len().div_ceil(4);

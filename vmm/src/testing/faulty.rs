@@ -10,6 +10,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::TestBackend;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
     MemInfo, Result,
@@ -199,6 +200,10 @@ impl<B: Backend> Backend for Faulty<B> {
         self.enter(Call::StreamWaitEvent)?;
         self.inner.stream_wait_event(stream, event)
     }
+}
+
+/// Test work passes through: no fault is injected into it.
+impl<B: TestBackend> TestBackend for Faulty<B> {
     fn fill_u32(&self, stream: &B::Stream, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
         self.inner.fill_u32(stream, dst, count, value)
     }
