@@ -16,10 +16,11 @@
 //!
 //! Every call is checked against the backend's own tables (reservations,
 //! chunks, mappings) before the kernel is asked, so a wrong call is an error,
-//! never a stray `MAP_FIXED` over someone else's memory. Stream work reads
-//! and writes memory under the tables' read lock after checking that the
-//! range is mapped with access for the stream's device; unmap and set-access
-//! take the write lock, so they never pull memory from under running work.
+//! never a stray `MAP_FIXED` over someone else's memory. Stream work (the
+//! test work of `testing.rs`) reads and writes memory under the tables' read
+//! lock after checking that the range is mapped with access for the
+//! stream's device; unmap and set-access take the write lock, so they never
+//! pull memory from under running work.
 //! "Device memory" is the configured size per device; creating a chunk
 //! beyond it fails with [`ErrorKind::OutOfMemory`].
 //!
