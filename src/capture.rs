@@ -14,8 +14,9 @@
 //! or synchronises a stream. Stream-ordered allocations go on: a stream
 //! reuses its own frees, and grows where it would have waited for another
 //! stream's. Growing (creating, mapping, giving access, unmapping chunks)
-//! is allowed during a capture. The C layer announces PyTorch's captures,
-//! which PyTorch brackets with its graph-pool hooks.
+//! is allowed during a capture. [`crate::GraphPools`] announces a capture
+//! while its graph pool is open, as PyTorch brackets each capture with its
+//! graph-pool hooks.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

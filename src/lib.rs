@@ -7,6 +7,7 @@ mod capture;
 mod context;
 mod error;
 mod exports;
+mod graph_pools;
 mod growth;
 mod heap;
 pub mod ipc;
@@ -23,6 +24,9 @@ pub use allocation::Allocation;
 pub use capture::GraphCapture;
 pub use context::Context;
 pub use error::{Error, Result};
+pub use graph_pools::{
+    Closed, GraphAllocation, GraphPoolError, GraphPoolId, GraphPools, GraphPoolsStats,
+};
 pub use ordering::{Event, Stream};
 pub use pool::Pool;
 pub use props::{
