@@ -10,7 +10,7 @@
 //! (`scripts/vmpool_torch.py` does the set-up). Each device gets one
 //! stream-ordered vmpool pool on first use, and each graph-pool id one of
 //! its own; the caller's streams become vmpool streams; configuration comes
-//! from the environment ([`shim::Config`], README.md's "PyTorch" section).
+//! from the environment ([`config::Config`], README.md's "PyTorch" section).
 //!
 //! A C caller can only get NULL or -1 back, so every failure is logged
 //! (through `tracing`, to stderr, filtered by `VMPOOL_LOG`, default `warn`)
@@ -20,9 +20,15 @@
 //!
 //! This file is the only place outside `vmm` with `unsafe` code: the
 //! exported symbols, and wrapping the caller's stream handles
-//! (`Backend::borrow_stream`). Everything else is in the safe [`shim`].
+//! (`Backend::borrow_stream`). Everything else is safe: the calls in
+//! [`shim`], the settings in [`config`], the pointer and stream tables in
+//! `pointers` and `streams`; graph pools are the library's
+//! ([`vmpool::GraphPools`]).
 
+pub mod config;
+mod pointers;
 pub mod shim;
+mod streams;
 
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -31,8 +37,10 @@ use std::sync::OnceLock;
 use vmpool::vmm::cuda::Cuda;
 use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::Backend;
+use vmpool::GraphPoolId;
 
-use self::shim::{BackendChoice, CallError, Config, Figures, Shim};
+use self::config::{BackendChoice, Config};
+use self::shim::{CallError, Figures, Shim};
 
 /// The library's one state, made by the first call.
 enum Global {
@@ -179,6 +187,12 @@ pub struct VmpoolMempoolId {
     pub second: u64,
 }
 
+impl From<VmpoolMempoolId> for GraphPoolId {
+    fn from(id: VmpoolMempoolId) -> Self {
+        GraphPoolId::new(id.first, id.second)
+    }
+}
+
 /// Opens the private pool `pool` of a CUDA graph about to be captured on
 /// `device`: until [`vmpool_end_allocate_to_pool`], allocations on a
 /// capturing stream come from it (PyTorch's `beginAllocateToPool`). The
@@ -193,7 +207,7 @@ pub extern "C" fn vmpool_begin_allocate_to_pool(
     call(
         "begin_allocate_to_pool",
         (),
-        |g| with_shim!(g, s => s.begin_graph_pool(i64::from(device), (pool.first, pool.second))),
+        |g| with_shim!(g, s => s.begin_graph_pool(i64::from(device), pool.into())),
     );
 }
 
@@ -203,7 +217,7 @@ pub extern "C" fn vmpool_end_allocate_to_pool(device: c_int, pool: VmpoolMempool
     call(
         "end_allocate_to_pool",
         (),
-        |g| with_shim!(g, s => s.end_graph_pool(i64::from(device), (pool.first, pool.second))),
+        |g| with_shim!(g, s => s.end_graph_pool(i64::from(device), pool.into())),
     );
 }
 
@@ -215,7 +229,7 @@ pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
     call(
         "release_pool",
         (),
-        |g| with_shim!(g, s => s.release_graph_pool(i64::from(device), (pool.first, pool.second))),
+        |g| with_shim!(g, s => s.release_graph_pool(i64::from(device), pool.into())),
     );
 }
 

@@ -1,0 +1,261 @@
+//! The C layer's settings, from the environment (README.md, "PyTorch"):
+//! which backend, the pools' chunk sizes and release threshold, timing.
+
+use std::str::FromStr;
+
+/// A whole number of at least 1 the environment asked for.
+fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
+    name: &'static str,
+    value: String,
+    expected: &'static str,
+) -> Result<T, ConfigError> {
+    match value.trim().parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => Err(ConfigError::Other {
+            name,
+            value,
+            expected,
+        }),
+    }
+}
+
+/// Bytes the environment asked for: a number with an optional binary
+/// suffix (`K`, `M`, `G`, `T`, with or without `iB`), or `max`.
+fn parse_bytes(name: &str, value: &str) -> Result<u64, ConfigError> {
+    let bad = || ConfigError::Bytes {
+        name: name.to_owned(),
+        value: value.to_owned(),
+    };
+    let v = value.trim();
+    if v.eq_ignore_ascii_case("max") {
+        return Ok(u64::MAX);
+    }
+    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    let (number, suffix) = v.split_at(digits);
+    let number = u64::from_str(number).map_err(|_| bad())?;
+    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KIB" => 10,
+        "M" | "MIB" => 20,
+        "G" | "GIB" => 30,
+        "T" | "TIB" => 40,
+        _ => return Err(bad()),
+    };
+    number.checked_mul(1 << shift).ok_or_else(bad)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name}={value:?}: expected bytes, such as 1073741824, 512MiB, 2G or max")]
+    Bytes { name: String, value: String },
+    #[error("{name}={value:?}: expected {expected}")]
+    Other {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+}
+
+/// Which driver layer the library runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Cuda,
+    /// The host backend, for tests without a GPU; stream handles are then
+    /// opaque keys.
+    Host,
+}
+
+/// The C layer's growth-chunk divisor unless `VMPOOL_CHUNK_DIVISOR` says
+/// otherwise: an eighth of the library's ([`vmpool::DEFAULT_CHUNK_DIVISOR`]),
+/// so chunks up to eight times as large once the pool holds 2 GiB (below
+/// that, growth is by granules either way:
+/// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`]). Under PyTorch each new
+/// chunk's driver calls cost step time when the pool grows behind queued
+/// work; coarser chunks in large pools make far fewer of them for a
+/// footprint that stays close (docs/RESULTS.md, "Coarser chunks for large
+/// pools").
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 256;
+
+/// The library's settings, from the environment (README.md, "PyTorch").
+///
+/// `repr(C)`: `timing`, which every call reads, first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[repr(C)]
+pub struct Config {
+    /// `VMPOOL_TIMING`: `1` to time every `vmpool_alloc` and `vmpool_free`
+    /// (two clock reads a call) and report the total in the statistics;
+    /// default `0`.
+    pub timing: bool,
+    /// `VMPOOL_BACKEND`: `cuda` (default) or `host`.
+    pub backend: BackendChoice,
+    /// `VMPOOL_RELEASE_THRESHOLD`: bytes each pool keeps across
+    /// `vmpool_synchronize`; default `max` (keep everything, as PyTorch's
+    /// own allocator does).
+    pub release_threshold: u64,
+    /// `VMPOOL_CHUNK_SIZE`: the largest growth chunk; default the pool's.
+    pub chunk_size: Option<u64>,
+    /// `VMPOOL_CHUNK_DIVISOR`: growth chunks of at most the pool's reserved
+    /// bytes over this (`PoolProps::chunk_divisor`); default
+    /// [`DEFAULT_CHUNK_DIVISOR`]; `off`: every growth by whole
+    /// `VMPOOL_CHUNK_SIZE` chunks.
+    pub chunk_divisor: Option<u64>,
+    /// `VMPOOL_GRANULE_GROWTH_BELOW`: with a divisor, growth by granules
+    /// while the pool holds fewer bytes than this
+    /// (`PoolProps::granule_growth_below`); default
+    /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`].
+    pub granule_growth_below: u64,
+    /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
+    /// backend's devices; default 1 of 4 GiB.
+    pub host_devices: u32,
+    pub host_memory: u64,
+}
+
+impl Config {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// The settings from `lookup(name)`, for tests without touching the
+    /// process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let bytes =
+            |name: &str, default: u64| lookup(name).map_or(Ok(default), |v| parse_bytes(name, &v));
+        let backend = match lookup("VMPOOL_BACKEND").as_deref() {
+            None | Some("cuda") => BackendChoice::Cuda,
+            Some("host") => BackendChoice::Host,
+            Some(other) => {
+                return Err(ConfigError::Other {
+                    name: "VMPOOL_BACKEND",
+                    value: other.to_owned(),
+                    expected: "cuda or host",
+                })
+            }
+        };
+        let host_devices = lookup("VMPOOL_HOST_DEVICES")
+            .map(|v| at_least_one("VMPOOL_HOST_DEVICES", v, "a number of devices, at least 1"))
+            .transpose()?
+            .unwrap_or(1);
+        let timing = match lookup("VMPOOL_TIMING").as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(ConfigError::Other {
+                    name: "VMPOOL_TIMING",
+                    value: other.to_owned(),
+                    expected: "0 or 1",
+                })
+            }
+        };
+        let chunk_size = match lookup("VMPOOL_CHUNK_SIZE") {
+            None => None,
+            Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
+        };
+        let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
+            None => Some(DEFAULT_CHUNK_DIVISOR),
+            Some(v) => vmpool::parse_chunk_divisor(&v).map_err(|_| ConfigError::Other {
+                name: "VMPOOL_CHUNK_DIVISOR",
+                value: v,
+                expected: "a whole number, at least 1, or off",
+            })?,
+        };
+        Ok(Self {
+            backend,
+            release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
+            chunk_size,
+            chunk_divisor,
+            granule_growth_below: bytes(
+                "VMPOOL_GRANULE_GROWTH_BELOW",
+                vmpool::DEFAULT_GRANULE_GROWTH_BELOW,
+            )?,
+            host_devices,
+            host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
+            timing,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_lookup(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn defaults() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.backend, BackendChoice::Cuda);
+        assert_eq!(c.release_threshold, u64::MAX);
+        assert_eq!(c.chunk_size, None);
+        assert_eq!(c.chunk_divisor, Some(DEFAULT_CHUNK_DIVISOR));
+        assert_eq!(c.granule_growth_below, vmpool::DEFAULT_GRANULE_GROWTH_BELOW);
+    }
+
+    #[test]
+    fn granule_growth_below() {
+        let c = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "512MiB")]).unwrap();
+        assert_eq!(c.granule_growth_below, 512 << 20);
+        let c = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "0")]).unwrap();
+        assert_eq!(c.granule_growth_below, 0);
+        let err = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "2 GB")]).unwrap_err();
+        assert!(
+            err.to_string().contains("VMPOOL_GRANULE_GROWTH_BELOW"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn chunk_divisor() {
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", " 4096 ")]).unwrap();
+        assert_eq!(c.chunk_divisor, Some(4096));
+        let c = config(&[("VMPOOL_CHUNK_DIVISOR", "off")]).unwrap();
+        assert_eq!(c.chunk_divisor, None);
+        for bad in ["", "0", "-1", "1/4096", "x", "none"] {
+            let err = config(&[("VMPOOL_CHUNK_DIVISOR", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_CHUNK_DIVISOR"), "{err}");
+        }
+    }
+
+    #[test]
+    fn byte_sizes() {
+        for (text, bytes) in [
+            ("0", 0),
+            ("4096", 4096),
+            ("2M", 2 << 20),
+            ("2MiB", 2 << 20),
+            ("1 GiB", 1 << 30),
+            ("3g", 3 << 30),
+            ("max", u64::MAX),
+            ("MAX", u64::MAX),
+        ] {
+            let c = config(&[("VMPOOL_RELEASE_THRESHOLD", text)]).unwrap();
+            assert_eq!(c.release_threshold, bytes, "{text}");
+        }
+        for bad in ["", "-1", "1.5G", "12Q", "99999999999999999999", "20000000T"] {
+            let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
+        }
+    }
+
+    #[test]
+    fn timing_switch() {
+        assert!(!config(&[]).unwrap().timing);
+        assert!(config(&[("VMPOOL_TIMING", "1")]).unwrap().timing);
+        assert!(!config(&[("VMPOOL_TIMING", "0")]).unwrap().timing);
+        let err = config(&[("VMPOOL_TIMING", "yes")]).unwrap_err();
+        assert!(err.to_string().contains("VMPOOL_TIMING"), "{err}");
+    }
+
+    #[test]
+    fn bad_backend_and_devices() {
+        assert!(config(&[("VMPOOL_BACKEND", "gpu")]).is_err());
+        assert!(config(&[("VMPOOL_HOST_DEVICES", "0")]).is_err());
+        let c = config(&[("VMPOOL_BACKEND", "host"), ("VMPOOL_HOST_DEVICES", "2")]).unwrap();
+        assert_eq!((c.backend, c.host_devices), (BackendChoice::Host, 2));
+    }
+}

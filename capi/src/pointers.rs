@@ -1,0 +1,92 @@
+//! The pointer table: what vmpool handed out on one device and the caller
+//! has not freed, by pointer, so that a free names its allocation by
+//! pointer and a pointer vmpool never gave out is refused, not trusted.
+
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use rustc_hash::FxHashMap;
+use vmpool::vmm::Backend;
+use vmpool::{Allocation, GraphPoolId, Stream};
+
+/// A live allocation, and the other streams the caller said use it
+/// (`vmpool_record_stream`, PyTorch's `Tensor.record_stream`): its free
+/// waits for the work queued on them until then.
+pub(crate) struct Live<B: Backend> {
+    pub(crate) allocation: Allocation,
+    pub(crate) used_on: Vec<Stream<B>>,
+    /// The graph pool it came from; `None`: the device's pool.
+    pub(crate) graph: Option<GraphPoolId>,
+}
+
+impl<B: Backend> Live<B> {
+    pub(crate) fn new(allocation: Allocation, graph: Option<GraphPoolId>) -> Self {
+        Self {
+            allocation,
+            used_on: Vec::new(),
+            graph,
+        }
+    }
+}
+
+/// A free put off until no capture is under way (`Device::deferred_frees`
+/// in the shim): the allocation, taken out of the table, and the caller's
+/// stream it was freed on.
+pub(crate) struct DeferredFree<B: Backend> {
+    pub(crate) ptr: u64,
+    pub(crate) live: Live<B>,
+    pub(crate) stream: usize,
+}
+
+/// One device's live allocations by pointer.
+pub(crate) struct PointerTable<B: Backend>(Mutex<FxHashMap<u64, Live<B>>>);
+
+impl<B: Backend> Default for PointerTable<B> {
+    fn default() -> Self {
+        Self(Mutex::default())
+    }
+}
+
+impl<B: Backend> PointerTable<B> {
+    fn lock(&self) -> MutexGuard<'_, FxHashMap<u64, Live<B>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    #[inline]
+    pub(crate) fn insert(&self, ptr: u64, live: Live<B>) {
+        self.lock().insert(ptr, live);
+    }
+
+    /// Takes `ptr`'s allocation out of the table, if it is live.
+    #[inline]
+    pub(crate) fn remove(&self, ptr: u64) -> Option<Live<B>> {
+        self.lock().remove(&ptr)
+    }
+
+    pub(crate) fn contains(&self, ptr: u64) -> bool {
+        self.lock().contains_key(&ptr)
+    }
+
+    /// Adds `stream` to the users of `ptr`'s allocation; `false` when it is
+    /// not live.
+    pub(crate) fn add_user(&self, ptr: u64, stream: Stream<B>) -> bool {
+        let mut live = self.lock();
+        let Some(entry) = live.get_mut(&ptr) else {
+            return false;
+        };
+        if !entry.used_on.contains(&stream) {
+            entry.used_on.push(stream);
+        }
+        true
+    }
+
+    /// The live allocation `ptr` points inside of (not at its start), as
+    /// its address range.
+    pub(crate) fn containing(&self, ptr: u64) -> Option<Range<u64>> {
+        self.lock()
+            .values()
+            .map(|l| &l.allocation)
+            .find(|a| a.ptr().0 < ptr && ptr < a.ptr().0 + a.size())
+            .map(|a| a.ptr().0..a.ptr().0 + a.size())
+    }
+}
