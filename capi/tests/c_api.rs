@@ -111,8 +111,8 @@ fn round_trip_and_figures() {
 /// same order, all 64-bit.
 #[test]
 fn stats_layout_matches_the_header_and_the_python_helper() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let header = std::fs::read_to_string(format!("{root}/include/vmpool.h")).unwrap();
+    // In the binary, so that it runs where the source tree is not.
+    let header = include_str!("../include/vmpool.h");
     let body = header
         .split("typedef struct {")
         .find_map(|part| part.split_once("} vmpool_stats_t;").map(|(body, _)| body))
@@ -129,7 +129,7 @@ fn stats_layout_matches_the_header_and_the_python_helper() {
             names.split(',').map(str::trim)
         })
         .collect();
-    let python = std::fs::read_to_string(format!("{root}/../scripts/vmpool_torch.py")).unwrap();
+    let python = include_str!("../../scripts/vmpool_torch.py");
     let list = python
         .split_once("_FIELDS = [")
         .and_then(|(_, rest)| rest.split_once(']'))

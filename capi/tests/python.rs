@@ -14,6 +14,9 @@ fn library() -> PathBuf {
     lib
 }
 
+/// `scripts/vmpool_torch.py`.
+const HELPER: &str = include_str!("../../scripts/vmpool_torch.py");
+
 const SCRIPT: &str = r#"
 import vmpool_torch as v
 assert v.backend() == "host", v.backend()
@@ -50,18 +53,21 @@ print("ok")
 #[test]
 fn ctypes_helper_on_the_host_backend() {
     let record = std::env::temp_dir().join(format!("vmpool-python-{}", std::process::id()));
+    // The helper is carried in the binary and written out for Python to
+    // import, so that the test needs no source tree.
+    let scripts = std::env::temp_dir().join(format!("vmpool-python-lib-{}", std::process::id()));
+    std::fs::create_dir_all(&scripts).unwrap();
+    std::fs::write(scripts.join("vmpool_torch.py"), HELPER).unwrap();
     let out = Command::new("python3")
         .arg("-c")
         .arg(SCRIPT)
-        .env(
-            "PYTHONPATH",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts"),
-        )
+        .env("PYTHONPATH", &scripts)
         .env("VMPOOL_LIB", library())
         .env("VMPOOL_BACKEND", "host")
         .env("VMPOOL_RECORD", &record)
         .output()
         .expect("python3 runs (CI machines have it)");
+    std::fs::remove_dir_all(&scripts).unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python failed:\n{stderr}");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
