@@ -23,6 +23,14 @@
 //! belongs to is known only by the stream capturing, so one graph pool at
 //! a time may be open per device for capturing allocations to be served.
 //! See Note [Graph pools] in docs/DESIGN.md.
+//!
+//! Known limitations: a graph pool's free memory can still be unmapped
+//! while its graphs live, and a replay then writes to unmapped addresses.
+//! Growth during a capture may move the pool's free units to a new range
+//! (the defragmenting remap; creating the pools with
+//! [`PoolProps::defragment`] off avoids it), and another pool of the
+//! device running out of memory makes every pool on it release what it
+//! holds unused. The ignored cases in tests/graph_pools.rs show both.
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};

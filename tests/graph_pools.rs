@@ -316,3 +316,63 @@ suites!(
     an_open_graph_pool_announces_its_capture,
     misuse_is_refused_and_changes_nothing,
 );
+
+/// Known limitations, kept as failing cases until fixed (run them with
+/// `--ignored`): a graph pool's free memory is what its graphs replay
+/// into, yet it can still be unmapped.
+mod known {
+    use super::*;
+
+    /// Growth in a capture backs a new range with free units of the same
+    /// pool (the defragmenting remap): the capture's freed memory moves,
+    /// and its old addresses, which the graph replays into, are unmapped
+    /// once the stream passes them.
+    #[test]
+    #[ignore = "graph pools remap their free units; PoolProps::defragment off avoids it"]
+    fn a_remap_in_a_capture_keeps_the_graphs_addresses_mapped() {
+        let b = common::host();
+        let (ctx, _pool, graphs) = setup(&b);
+        let id = GraphPoolId::new(0, 1);
+        let s = ctx.create_stream(DEV).unwrap();
+        graphs.begin(&ctx, id).unwrap();
+        b.begin_capture(s.raw()).unwrap();
+        let a = graphs.allocate_async(8 * MIB, &s).unwrap().unwrap();
+        let after_a = graphs.allocate_async(3 * MIB, &s).unwrap().unwrap();
+        let freed = a.allocation.ptr();
+        graphs.free_async(a, &s).unwrap();
+        let larger = graphs.allocate_async(16 * MIB, &s).unwrap().unwrap();
+        b.end_capture(s.raw()).unwrap();
+        graphs.end(id).unwrap();
+        ctx.synchronize_device(DEV).unwrap();
+        // A replay writes where the capture had its first allocation.
+        b.fill_u32(s.raw(), freed, (8 * MIB / 4) as usize, 7)
+            .unwrap();
+        b.synchronize_stream(s.raw())
+            .expect("the graph's addresses are mapped");
+        graphs.free_async(after_a, &s).unwrap();
+        graphs.free_async(larger, &s).unwrap();
+    }
+
+    /// Another pool of the device running out of memory asks every pool
+    /// on it to release what it holds unused, graph pools included.
+    #[test]
+    #[ignore = "a pool out of memory trims graph pools too"]
+    fn another_pool_out_of_memory_leaves_graph_pools_alone() {
+        let b = common::host();
+        let (ctx, pool, graphs) = setup(&b);
+        let id = GraphPoolId::new(0, 1);
+        let s = ctx.create_stream(DEV).unwrap();
+        graphs.begin(&ctx, id).unwrap();
+        b.begin_capture(s.raw()).unwrap();
+        let a = graphs.allocate_async(256 * MIB, &s).unwrap().unwrap();
+        graphs.free_async(a, &s).unwrap();
+        b.end_capture(s.raw()).unwrap();
+        graphs.end(id).unwrap();
+        ctx.synchronize_device(DEV).unwrap();
+        let held = graphs.stats().reserved_bytes;
+        assert!(held >= 256 * MIB);
+        // The device has 1 GiB: this takes what the graph pool does not hold.
+        let _ = pool.allocate(900 * MIB);
+        assert_eq!(graphs.stats().reserved_bytes, held);
+    }
+}
