@@ -1,7 +1,7 @@
-//! The seed article's library example: a library function allocates
-//! scratch memory, launches work on the caller's stream and frees it, all
-//! in function scope, with no synchronization. The caller's stream order
-//! makes it safe, and the pool reuses the memory on every call without
+//! The stream-ordered allocator's library example: a library function
+//! allocates scratch memory, launches work on the caller's stream and frees
+//! it, all in function scope, with no synchronization. The caller's stream
+//! order makes it safe, and the pool reuses the memory on every call without
 //! going back to the driver.
 //!
 //!     cargo run --release --example library_scope [-- --backend host|cuda]

@@ -1,6 +1,6 @@
-//! The seed article's in-order reuse loop: allocate, launch work, free,
-//! synchronize, 100 times on one stream. With the release threshold at 0
-//! the pool gives its memory back at every synchronize and goes to the
+//! The stream-ordered allocator's in-order reuse loop: allocate, launch work,
+//! free, synchronize, 100 times on one stream. With the release threshold at
+//! 0 the pool gives its memory back at every synchronize and goes to the
 //! driver again on the next allocation; with a high threshold it keeps the
 //! memory and never calls the driver after the first iteration.
 //!

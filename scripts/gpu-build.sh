@@ -81,8 +81,12 @@ if [ -n "${BASE_REV:-}" ]; then
     base_line="base library: torch/libvmpool_c-$rev.so, built from $(git rev-parse "$rev")"
 fi
 
-# The shared traces and those recorded here (traces/), for the replay job.
-cp ../shared/traces/*.trace.gz traces/*.trace.gz "$bundle/traces/"
+# The traces recorded here (traces/) and, when VMPOOL_EXTRA_TRACES names a
+# folder, the reference traces in it, for the replay job.
+cp traces/*.trace.gz "$bundle/traces/"
+if [ -n "${VMPOOL_EXTRA_TRACES:-}" ]; then
+    cp "$VMPOOL_EXTRA_TRACES"/*.trace.gz "$bundle/traces/"
+fi
 
 # The device tool carries at most 64 MiB: symbols go (panics still print
 # messages and locations, not function names).

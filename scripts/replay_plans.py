@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Prints the plan figures of every trace, so that two builds can be diffed.
 
-For each trace in traces/ and the shared traces, replayed synchronously and
+For each trace in traces/ and in the folder VMPOOL_EXTRA_TRACES names (or
+--shared DIR), replayed synchronously and
 stream-ordered, at 1 and 24 passes and at three growth settings (the
 default, `--chunk-divisor off`, `--chunk-divisor 256`), one line of the
 figures that do not depend on timing: footprint ratios of every pass,
@@ -53,13 +54,16 @@ def replay(binary, trace, mode, passes, setting):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "vmpool-replay"))
-    p.add_argument("--shared", default=os.path.join(ROOT, "..", "shared", "traces"), help="folder of more traces")
+    p.add_argument(
+        "--shared", default=os.environ.get("VMPOOL_EXTRA_TRACES"), help="folder of more traces (default: $VMPOOL_EXTRA_TRACES)"
+    )
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     if not os.path.exists(args.replay):
         sys.exit(f"{args.replay} not found: cargo build --release --bin vmpool-replay")
     traces = sorted(glob.glob(os.path.join(ROOT, "traces", "*.trace.gz")))
-    traces += sorted(glob.glob(os.path.join(args.shared, "*.trace.gz")))
+    if args.shared:
+        traces += sorted(glob.glob(os.path.join(args.shared, "*.trace.gz")))
     jobs = [
         (t, mode, passes, setting)
         for t in traces

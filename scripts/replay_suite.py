@@ -3,7 +3,8 @@
 host backend and sums them up: the footprint of the first pass and of the
 last of several passes on one pool, and the estimated driver time.
 
-The set: training, the two shared traces (../shared/traces), the eight
+The set: training, the two reference traces (gpt2_train and resnet_train,
+in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), the eight
 recorded under PyTorch (traces/*_train_torch*.trace.gz) and four variants
 of gpt2_train (scripts/trace_variants.py); generation, the recorded
 generation trace and four variants of it. Each is replayed synchronously
@@ -54,7 +55,7 @@ def main():
     p.add_argument("--passes", type=int, default=8, help="passes of the second replay of each trace (default 8)")
     p.add_argument("--jobs", type=int, default=2, help="replays at once (default 2)")
     p.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "vmpool-replay"))
-    p.add_argument("--shared", default=os.path.join(ROOT, "..", "shared", "traces"))
+    p.add_argument("--shared", default=os.environ.get("VMPOOL_EXTRA_TRACES"), help="folder of the reference traces")
     p.add_argument("--variants", help="folder for the variants (default: a temporary one)")
     p.add_argument("options", nargs="*", help="passed to vmpool-replay (after --)")
     args = p.parse_args()
@@ -62,6 +63,8 @@ def main():
         p.error("--passes must be at least 2")
     if not os.path.exists(args.replay):
         sys.exit(f"{args.replay} not found: cargo build --release --bin vmpool-replay")
+    if not args.shared:
+        sys.exit("the reference traces: --shared DIR or VMPOOL_EXTRA_TRACES")
     shared = [os.path.join(args.shared, f"{name}.trace.gz") for name in ("gpt2_train", "resnet_train")]
     missing = [t for t in shared if not os.path.exists(t)]
     if missing:

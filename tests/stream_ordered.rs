@@ -1,6 +1,7 @@
-//! The stream-ordered front end (SPEC.md section 3), point by point, on
-//! every backend: the host backend always, CUDA with `--features gpu-tests`.
-//! The seed article's samples are here too: the in-order reuse loop with
+//! The stream-ordered front end (CUDA's rules for `cudaMallocAsync`), point
+//! by point, on every backend: the host backend always, CUDA with
+//! `--features gpu-tests`. The samples of CUDA's stream-ordered allocator
+//! guide are here too: the in-order reuse loop with
 //! and without a release threshold, and a library function that allocates
 //! in function scope on its caller's stream.
 

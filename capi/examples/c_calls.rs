@@ -31,7 +31,7 @@ use vmpool_c::{vmpool_alloc, vmpool_free, vmpool_stats};
 
 #[derive(Parser)]
 struct Args {
-    /// An allocation trace (the format of ../shared/traces, gzip or plain).
+    /// An allocation trace (the format `vmpool-replay` reads, gzip or plain).
     trace: PathBuf,
     /// Rounds over the trace on the same pool.
     #[arg(long, default_value_t = 3)]
