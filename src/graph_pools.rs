@@ -24,13 +24,12 @@
 //! a time may be open per device for capturing allocations to be served.
 //! See Note [Graph pools] in docs/DESIGN.md.
 //!
-//! Known limitations: a graph pool's free memory can still be unmapped
-//! while its graphs live, and a replay then writes to unmapped addresses.
-//! Growth during a capture may move the pool's free units to a new range
-//! (the defragmenting remap; creating the pools with
-//! [`PoolProps::defragment`] off avoids it), and another pool of the
-//! device running out of memory makes every pool on it release what it
-//! holds unused. The ignored cases in tests/graph_pools.rs show both.
+//! A graph pool's free memory is what its graphs replay into, so nothing
+//! may unmap it while they live: a graph pool keeps all its memory (release
+//! threshold `u64::MAX`), never moves its free units to back a growth
+//! ([`PoolProps::defragment`] off), and is left alone when another pool of
+//! the device runs out of memory and asks the others to release what they
+//! hold unused.
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -140,12 +139,6 @@ struct GraphPool<B: Backend> {
     live: usize,
 }
 
-/// What a new graph pool is made with.
-struct Settings {
-    props: PoolProps,
-    release_threshold: u64,
-}
-
 /// The graph pools of one device (see the module's notes).
 ///
 /// `repr(C)`, with the count of open pools first and everything else
@@ -160,7 +153,8 @@ pub struct GraphPools<B: Backend> {
 
 struct State<B: Backend> {
     pools: Mutex<FxHashMap<GraphPoolId, GraphPool<B>>>,
-    settings: Settings,
+    /// What a new graph pool is made with.
+    props: PoolProps,
 }
 
 impl<B: Backend> fmt::Debug for GraphPools<B> {
@@ -173,34 +167,25 @@ impl<B: Backend> fmt::Debug for GraphPools<B> {
 }
 
 impl<B: Backend> GraphPools<B> {
-    /// Graph pools of `props.device`, each created with `props`. A graph
-    /// pool keeps all its memory until it goes (release threshold
-    /// `u64::MAX`): its graphs replay into what their captures freed.
+    /// Graph pools of `props.device`, each created with `props` but with
+    /// [`PoolProps::defragment`] off. A graph pool keeps all its memory
+    /// until it goes: its graphs replay into what their captures freed (see
+    /// the module's notes).
     pub fn new(props: PoolProps) -> Self {
         Self {
             open: AtomicUsize::new(0),
             state: Box::new(State {
                 pools: Mutex::default(),
-                settings: Settings {
-                    props,
-                    release_threshold: u64::MAX,
+                props: PoolProps {
+                    defragment: false,
+                    ..props
                 },
             }),
         }
     }
 
-    /// Gives each graph pool created from now on this release threshold
-    /// ([`PoolAttribute::ReleaseThreshold`]) instead of `u64::MAX`. Below
-    /// what a pool holds, a synchronisation releases free memory of it,
-    /// which its graphs' replays may still use: this exists for callers
-    /// that already set it so.
-    pub fn with_release_threshold(mut self, bytes: u64) -> Self {
-        self.state.settings.release_threshold = bytes;
-        self
-    }
-
     pub fn device(&self) -> DeviceId {
-        self.state.settings.props.device
+        self.state.props.device
     }
 
     fn pools(&self) -> MutexGuard<'_, FxHashMap<GraphPoolId, GraphPool<B>>> {
@@ -240,15 +225,11 @@ impl<B: Backend> GraphPools<B> {
     }
 
     fn create(&self, context: &Context<B>) -> Result<Pool<B>, Error> {
-        let settings = &self.state.settings;
-        let pool = context.create_pool(&settings.props)?;
-        pool.set_attribute(PoolAttribute::ReleaseThreshold, settings.release_threshold)?;
-        tracing::debug!(
-            device = self.device().0,
-            props = ?settings.props,
-            release_threshold = settings.release_threshold,
-            "graph pool created"
-        );
+        let props = &self.state.props;
+        let pool = context.create_pool(props)?;
+        pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
+        pool.keep_unused_memory();
+        tracing::debug!(device = self.device().0, ?props, "graph pool created");
         Ok(pool)
     }
 

@@ -317,18 +317,16 @@ suites!(
     misuse_is_refused_and_changes_nothing,
 );
 
-/// Known limitations, kept as failing cases until fixed (run them with
-/// `--ignored`): a graph pool's free memory is what its graphs replay
-/// into, yet it can still be unmapped.
-mod known {
+/// A graph pool's free memory is what its graphs replay into: nothing
+/// unmaps it while they live.
+mod replay_memory {
     use super::*;
 
-    /// Growth in a capture backs a new range with free units of the same
-    /// pool (the defragmenting remap): the capture's freed memory moves,
-    /// and its old addresses, which the graph replays into, are unmapped
-    /// once the stream passes them.
+    /// Growth in a capture does not back a new range with free units of
+    /// the same pool (the defragmenting remap): they would move, and their
+    /// old addresses, which the graph replays into, be unmapped once the
+    /// stream passes them.
     #[test]
-    #[ignore = "graph pools remap their free units; PoolProps::defragment off avoids it"]
     fn a_remap_in_a_capture_keeps_the_graphs_addresses_mapped() {
         let b = common::host();
         let (ctx, _pool, graphs) = setup(&b);
@@ -354,9 +352,8 @@ mod known {
     }
 
     /// Another pool of the device running out of memory asks every pool
-    /// on it to release what it holds unused, graph pools included.
+    /// on it to release what it holds unused, graph pools excepted.
     #[test]
-    #[ignore = "a pool out of memory trims graph pools too"]
     fn another_pool_out_of_memory_leaves_graph_pools_alone() {
         let b = common::host();
         let (ctx, pool, graphs) = setup(&b);

@@ -190,8 +190,7 @@ impl<B: Backend> Shim<B> {
             .map(|d| Device {
                 pool: OnceLock::new(),
                 live: PointerTable::default(),
-                graphs: GraphPools::new(pool_props(&config, DeviceId(d)))
-                    .with_release_threshold(config.release_threshold),
+                graphs: GraphPools::new(pool_props(&config, DeviceId(d))),
                 streams: StreamTable::default(),
                 id: DeviceId(d),
                 creating: Mutex::new(()),

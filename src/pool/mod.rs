@@ -25,7 +25,7 @@ mod audit;
 mod inner;
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use vmm::{Access, AccessDesc, Backend, DeviceId, DevicePtr, ErrorKind};
@@ -63,6 +63,9 @@ struct Shared<B: Backend> {
     /// The other pools of the device, asked to release unused memory before
     /// this one reports out-of-memory.
     siblings: Weak<Siblings<B>>,
+    /// Left out when a pool of the device asks the others to release unused
+    /// memory: a graph pool's unused memory is what its graphs replay into.
+    keeps_unused: AtomicBool,
 }
 
 /// The pools of one device.
@@ -169,6 +172,7 @@ impl<B: Backend> Pool<B> {
             shareable,
             inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment)),
             siblings: Arc::downgrade(siblings),
+            keeps_unused: AtomicBool::new(false),
         });
         let mut list = lock(siblings);
         list.retain(WeakPool::is_alive);
@@ -207,6 +211,12 @@ impl<B: Backend> Pool<B> {
         size: u64,
     ) -> (u64, Vec<Arc<vmm::memory::Chunk<B>>>) {
         self.lock().space.units_under(ptr, size)
+    }
+
+    /// Leaves the pool out when another pool of the device, out of memory,
+    /// asks every pool to release what it holds unused.
+    pub(crate) fn keep_unused_memory(&self) {
+        self.0.keeps_unused.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn owns(&self, allocation: &Allocation) -> bool {
@@ -459,6 +469,7 @@ impl<B: Backend> Pool<B> {
         let pools: Vec<Pool<B>> = lock(&siblings)
             .iter()
             .filter_map(WeakPool::upgrade)
+            .filter(|p| !p.0.keeps_unused.load(Ordering::Relaxed))
             .collect();
         for pool in pools {
             // Memory a pool's streams freed but have not passed is unused
