@@ -8,7 +8,12 @@ use crate::heap::Heap;
 use crate::props::SMALL_LIMIT;
 
 /// Which arena.
+///
+/// A word wide, as the index it replaced: the hot path copies the
+/// [`crate::Allocation`]s and pending frees that carry it, and a byte-wide
+/// field there made those copies slower (docs/RESULTS.md, "The pool split").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
 pub(crate) enum ArenaId {
     /// Allocations under [`SMALL_LIMIT`], packed on granule-sized chunks.
     Small,

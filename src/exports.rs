@@ -64,25 +64,19 @@ struct Exported<B: Backend> {
 }
 
 impl<B: Backend> Exports<B> {
-    /// What a free of `allocation` frees now: the allocation itself, or
-    /// `None` while another process holds a lease on it (the free is then
-    /// carried out when the last lease ends). Without exports, one atomic
-    /// load.
+    /// Whether any allocation is exported: a free looks no further when
+    /// none is. One atomic load.
     #[inline(always)]
-    pub(crate) fn on_free(
-        &self,
-        allocation: Allocation,
-        stream: Option<&Arc<StreamShared<B>>>,
-    ) -> Option<Allocation> {
-        if self.live.load(Ordering::Acquire) == 0 {
-            return Some(allocation);
-        }
-        self.on_free_exported(allocation, stream)
+    pub(crate) fn any(&self) -> bool {
+        self.live.load(Ordering::Acquire) != 0
     }
 
-    /// [`Exports::on_free`] while some allocation is exported.
+    /// What a free of `allocation` frees now, while some allocation is
+    /// exported ([`Exports::any`]): the allocation itself, or `None` while
+    /// another process holds a lease on it (the free is then carried out
+    /// when the last lease ends).
     #[cold]
-    fn on_free_exported(
+    pub(crate) fn on_free(
         &self,
         allocation: Allocation,
         stream: Option<&Arc<StreamShared<B>>>,

@@ -52,13 +52,13 @@ impl<B: Backend> PointerTable<B> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert(&self, ptr: u64, live: Live<B>) {
         self.lock().insert(ptr, live);
     }
 
     /// Takes `ptr`'s allocation out of the table, if it is live.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn remove(&self, ptr: u64) -> Option<Live<B>> {
         self.lock().remove(&ptr)
     }

@@ -264,11 +264,25 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
-        let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) else {
-            return Ok(());
-        };
+        // The allocation is not moved through an Option on the common way:
+        // those copies cost the free path time (docs/RESULTS.md, "The pool
+        // split").
+        if self.0.exports.any() {
+            if let Some(allocation) = self.0.exports.on_free(allocation, Some(&stream.0)) {
+                self.release_async(&allocation, stream);
+            }
+        } else {
+            self.release_async(&allocation, stream);
+        }
+        Ok(())
+    }
+
+    /// The stream-ordered free itself: the block goes to the stream's
+    /// pending frees.
+    #[inline(always)]
+    fn release_async(&self, allocation: &Allocation, stream: &Stream<B>) {
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
-        self.record_free(&allocation, stream.0.id);
+        self.record_free(allocation, stream.0.id);
         let pending = |seq| Pending {
             arena: allocation.arena,
             block: allocation.block,
@@ -281,7 +295,6 @@ impl<B: Backend> Pool<B> {
         while !stream.0.push_free(self.0.id, pending) {
             self.register(&stream.0);
         }
-        Ok(())
     }
 
     /// Out of line: a stream registers once, then frees on the hot path.
@@ -391,14 +404,21 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
-        let Some(allocation) = self.0.exports.on_free(allocation, None) else {
-            return Ok(());
-        };
+        if self.0.exports.any() {
+            if let Some(allocation) = self.0.exports.on_free(allocation, None) {
+                self.release(&allocation);
+            }
+        } else {
+            self.release(&allocation);
+        }
+        Ok(())
+    }
+
+    fn release(&self, allocation: &Allocation) {
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
-        self.record_free(&allocation, 0);
+        self.record_free(allocation, 0);
         self.lock()
             .free(allocation.arena, allocation.block, allocation.block_size);
-        Ok(())
     }
 
     #[inline(always)]
