@@ -19,6 +19,30 @@ use crate::{Error, Result};
 /// the lock again (docs/RESULTS.md).
 const KEEP_SMALL: usize = 64;
 
+/// One allocation on the slow path: what it asks for, and the heap blocks
+/// it took but may not use (another stream's guards cover them), given
+/// back to the heap when it is done.
+struct Request<'s, B: Backend> {
+    /// Bytes, rounded to the heap's quantum.
+    size: u64,
+    /// `None`: a synchronous allocation.
+    stream: Option<&'s Arc<StreamShared<B>>>,
+    held: Vec<Held>,
+}
+
+/// A heap block an allocation holds while it looks further.
+struct Held {
+    arena: ArenaId,
+    block: BlockId,
+}
+
+/// A heap block found for an allocation.
+#[derive(Clone, Copy)]
+struct Found {
+    addr: u64,
+    block: BlockId,
+}
+
 /// Calls counted under the lock; the hot path's own counts live with the
 /// streams until they leave the pool's table.
 #[derive(Debug, Clone, Default)]
@@ -122,7 +146,6 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
-        let arena = ArenaId::for_size(size);
         // Opportunistic reuse: frees whose events have completed go back to
         // the heap. One stream-ordered miss in a few looks, which keeps
         // guards and aliases from piling up; before it grows, the pool
@@ -130,30 +153,28 @@ impl<B: Backend> Inner<B> {
         if stream.is_some() && self.streams.due_for_collect() {
             self.collect_completed()?;
         }
-        // Blocks the guards keep from this allocation, held while it looks
-        // further and given back at the end.
-        let mut held = Vec::new();
-        let found = self.allocate_unheld(arena, size, stream, &mut held);
-        for (arena, block) in held {
-            self.arenas[arena].heap.free(block);
+        let mut request = Request {
+            size,
+            stream,
+            held: Vec::new(),
+        };
+        let found = self.serve(&mut request);
+        for held in request.held {
+            self.arenas[held.arena].heap.free(held.block);
         }
         self.calls.allocations += u64::from(found.is_ok());
         found
     }
 
-    /// [`Inner::allocate`], leaving in `held` the blocks it took from the
-    /// heap but may not use.
-    fn allocate_unheld(
-        &mut self,
-        arena: ArenaId,
-        size: u64,
-        stream: Option<&Arc<StreamShared<B>>>,
-        held: &mut Vec<(ArenaId, BlockId)>,
-    ) -> Result<Pending> {
-        let block = |arena, (ptr, block)| Pending {
+    /// [`Inner::allocate`], leaving in `request.held` the blocks it took
+    /// from the heap but may not use.
+    fn serve(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
+        let (size, stream) = (request.size, request.stream);
+        let arena = ArenaId::for_size(size);
+        let block = |arena, found: Found| Pending {
             arena,
-            block,
-            ptr,
+            block: found.block,
+            ptr: found.addr,
             size,
             seq: 0,
         };
@@ -166,12 +187,12 @@ impl<B: Backend> Inner<B> {
         if let Some(s) = stream {
             kept = self.merge_own_frees(s, KEEP_SMALL)?;
         }
-        if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+        if let Some(found) = self.take_from_heap(arena, request)? {
             return Ok(block(arena, found));
         }
         if let Some(s) = stream.filter(|_| kept) {
             self.merge_own_frees(s, 0)?;
-            if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+            if let Some(found) = self.take_from_heap(arena, request)? {
                 return Ok(block(arena, found));
             }
         }
@@ -184,7 +205,7 @@ impl<B: Backend> Inner<B> {
                 // better their frees than new memory.
                 self.streams.record_pending(s.id)?;
                 self.collect_completed()?;
-                if let Some(found) = self.take_from_heap(arena, size, stream, held)? {
+                if let Some(found) = self.take_from_heap(arena, request)? {
                     return Ok(block(arena, found));
                 }
             }
@@ -193,13 +214,16 @@ impl<B: Backend> Inner<B> {
             let started = std::time::Instant::now();
             let grown = self.growth().grow(arena, size, stream.map(|s| s.id));
             self.calls.grow_nanos += started.elapsed().as_nanos() as u64;
-            let (arena, (addr, id)) = match grown {
-                Ok(free) => (arena, self.arenas[arena].heap.alloc_from(free, size)),
+            let (arena, found) = match grown {
+                Ok(free) => {
+                    let (addr, block) = self.arenas[arena].heap.alloc_from(free, size);
+                    (arena, Found { addr, block })
+                }
                 // The device is full, but the other arena may have room:
                 // better there than out of memory.
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
                     let other = arena.other();
-                    match self.take_from_heap(other, size, stream, held)? {
+                    match self.take_from_heap(other, request)? {
                         Some(found) => (other, found),
                         None => return Err(Error::Driver(e)),
                     }
@@ -207,34 +231,33 @@ impl<B: Backend> Inner<B> {
                 Err(e) => return Err(e),
             };
             // Growth may extend a guarded free range.
-            let cleared = self.clear_guards(addr, size, stream);
+            let cleared = self.clear_guards(found.addr, size, stream);
             if let Ok(true) = cleared {
-                return Ok(block(arena, (addr, id)));
+                return Ok(block(arena, found));
             }
-            held.push((arena, id));
+            request.held.push(Held {
+                arena,
+                block: found.block,
+            });
             cleared?;
         }
     }
 
-    /// A heap block of `size` bytes in `arena` that `stream` may take (see
-    /// [`Guard`]); the blocks it may not take go to `held`.
+    /// A heap block for `request` in `arena` that its stream may take (see
+    /// [`Guard`]); the blocks it may not take go to `request.held`.
     fn take_from_heap(
         &mut self,
         arena: ArenaId,
-        size: u64,
-        stream: Option<&Arc<StreamShared<B>>>,
-        held: &mut Vec<(ArenaId, BlockId)>,
-    ) -> Result<Option<(u64, BlockId)>> {
-        while let Some((addr, block)) = self.arenas[arena].heap.alloc(size) {
-            match self.clear_guards(addr, size, stream) {
-                Ok(true) => return Ok(Some((addr, block))),
-                // Given back to the heap by the caller, either way.
-                Ok(false) => held.push((arena, block)),
-                Err(err) => {
-                    held.push((arena, block));
-                    return Err(err);
-                }
+        request: &mut Request<'_, B>,
+    ) -> Result<Option<Found>> {
+        while let Some((addr, block)) = self.arenas[arena].heap.alloc(request.size) {
+            // Given back to the heap by the caller, unless taken.
+            let cleared = self.clear_guards(addr, request.size, request.stream);
+            if let Ok(true) = cleared {
+                return Ok(Some(Found { addr, block }));
             }
+            request.held.push(Held { arena, block });
+            cleared?;
         }
         Ok(None)
     }
