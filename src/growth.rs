@@ -16,6 +16,7 @@ use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, StreamPos};
 use crate::plan::{self, Gap, Plan, Source, Tail, UnitSize};
 use crate::space::Space;
+use crate::va::Va;
 use crate::{Error, Result};
 
 /// What growth has done, for [`crate::PoolStats`].
@@ -30,7 +31,7 @@ pub(crate) struct GrowthCounters {
 /// A unit with no live byte: all of it inside the free heap block `block`.
 #[derive(Debug, Clone, Copy)]
 struct FreeUnit {
-    va: u64,
+    va: Va,
     len: u64,
     block: BlockId,
 }
@@ -38,7 +39,7 @@ struct FreeUnit {
 /// A unit taken out of its place, with the guard position it was under
 /// there if its old mapping stays as an alias.
 struct MovedUnit<B: Backend> {
-    from: u64,
+    from: Va,
     chunk: Arc<Chunk<B>>,
     under: Option<StreamPos>,
 }
@@ -90,7 +91,7 @@ impl<B: Backend> Growth<'_, B> {
         let _enter = span.enter();
         let gathered = self.gather(&plan.sources, &free)?;
         let sizes: Vec<u64> = gathered.chunks.iter().map(|c| c.size() as u64).collect();
-        self.space.map_at(plan.target.start, gathered.chunks)?;
+        self.space.map_at(Va(plan.target.start), gathered.chunks)?;
         self.counters.grows += 1;
         let block = self.arenas[arena]
             .heap
@@ -118,7 +119,7 @@ impl<B: Backend> Growth<'_, B> {
         // is unmapped), a region for each run of them; and the old places of
         // moved units, out of the heap but still mapped.
         let mut occupied = arena.heap.regions();
-        occupied.extend(self.space.aliases_in(start, end));
+        occupied.extend(self.space.aliases_in(Va(start)..Va(end)));
         // Two runs already in order: a stable sort merges them in one pass.
         occupied.sort();
         let next_in_use_after = |at: u64| {
@@ -163,7 +164,7 @@ impl<B: Backend> Growth<'_, B> {
         let units: Vec<UnitSize> = free
             .iter()
             .map(|u| UnitSize {
-                va: u.va,
+                va: u.va.0,
                 size: u.len,
             })
             .collect();
@@ -216,12 +217,13 @@ impl<B: Backend> Growth<'_, B> {
                 // A block lies in one mapped region, which its units tile:
                 // it starts on a unit boundary when a unit starts there, and
                 // ends on one when the last unit starting in it ends there.
+                let (start, end) = (Va(addr), Va(addr) + len);
                 let partial = whole_first && {
-                    let mut ends = units.range(addr..addr + len);
+                    let mut ends = units.range(start..end);
                     let first = ends.next();
                     let last = ends.next_back().or(first);
-                    !(first.is_some_and(|(&va, _)| va == addr)
-                        && last.is_some_and(|(&va, m)| va + m.size() as u64 == addr + len))
+                    !(first.is_some_and(|(&va, _)| va == start)
+                        && last.is_some_and(|(&va, m)| va + m.size() as u64 == end))
                 };
                 blocks.push(Candidate {
                     partial,
@@ -234,16 +236,17 @@ impl<B: Backend> Growth<'_, B> {
         blocks.sort_unstable_by_key(|c| (c.partial, c.addr));
         let mut found = Vec::new();
         for c in blocks {
-            for (&va, m) in units.range(c.addr..c.addr + c.len) {
+            let block_end = Va(c.addr) + c.len;
+            for (&va, m) in units.range(Va(c.addr)..block_end) {
                 let end = va + m.size() as u64;
                 let movable = || {
                     Arc::strong_count(m.chunk()) == 1
                         && self
                             .guards
-                            .in_range(va, end)
+                            .in_range(va.0, end.0)
                             .all(|(_, g)| Some(g.by.stream) == mover)
                 };
-                if end <= c.addr + c.len && movable() {
+                if end <= block_end && movable() {
                     found.push(FreeUnit {
                         va,
                         len: m.size() as u64,
@@ -265,10 +268,10 @@ impl<B: Backend> Growth<'_, B> {
         units.sort_by_key(|u| std::cmp::Reverse(u.va));
         let mut moved: Vec<MovedUnit<B>> = Vec::new();
         for FreeUnit { va, len, block } in units {
-            let arena = self.arenas.of(va);
-            self.arenas[arena].heap.take(block, va, len);
+            let arena = self.arenas.of(va.0);
+            self.arenas[arena].heap.take(block, va.0, len);
             let mapping = self.space.remove_unit(va);
-            let guards = self.guards.take(va, va + len);
+            let guards = self.guards.take(va.0, va.0 + len);
             if let Some(&first) = guards.first() {
                 let seq = guards.iter().map(|g| g.by.seq).max().expect("not empty");
                 let until = StreamPos {
@@ -298,7 +301,7 @@ impl<B: Backend> Growth<'_, B> {
                 }),
                 Err((err, mapping)) => {
                     self.space.restore_unit(va, mapping);
-                    self.arenas[arena].heap.insert_free(va, len);
+                    self.arenas[arena].heap.insert_free(va.0, len);
                     for m in moved {
                         self.space.keep_spare(m.chunk);
                     }
@@ -313,10 +316,10 @@ impl<B: Backend> Growth<'_, B> {
     /// this call created are released again and the others are spare.
     /// `free`: the free units the plan was made from.
     fn gather(&mut self, sources: &[Source], free: &[FreeUnit]) -> Result<Gathered<B>> {
-        let moving: FxHashSet<u64> = sources
+        let moving: FxHashSet<Va> = sources
             .iter()
             .filter_map(|s| match *s {
-                Source::Unit { va, .. } => Some(va),
+                Source::Unit { va, .. } => Some(Va(va)),
                 _ => None,
             })
             .collect();
@@ -325,7 +328,7 @@ impl<B: Backend> Growth<'_, B> {
             .filter(|u| moving.contains(&u.va))
             .copied()
             .collect();
-        let mut moved: FxHashMap<u64, MovedUnit<B>> = self
+        let mut moved: FxHashMap<Va, MovedUnit<B>> = self
             .unmap_units(units)?
             .into_iter()
             .map(|m| (m.from, m))
@@ -350,7 +353,7 @@ impl<B: Backend> Growth<'_, B> {
                         size,
                         "remapping a free unit"
                     );
-                    moved.remove(&va).map(|m| {
+                    moved.remove(&Va(va)).map(|m| {
                         was_under = m.under;
                         m.chunk
                     })

@@ -19,6 +19,7 @@ mod space;
 mod stats;
 mod sync;
 pub mod trace;
+mod va;
 
 pub use allocation::Allocation;
 pub use capture::GraphCapture;

@@ -25,6 +25,7 @@ use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr};
 
 use crate::ordering::StreamPos;
 use crate::stats::UnitView;
+use crate::va::Va;
 use crate::{Error, Result};
 
 /// The old place of a unit moved while its stream could still use it: its
@@ -37,7 +38,7 @@ struct Alias<B: Backend> {
 
 /// A run of adjacent units: its address range and its mappings in order.
 pub(crate) struct UnitRun<'a, B: Backend> {
-    pub(crate) range: Range<u64>,
+    pub(crate) range: Range<Va>,
     pub(crate) mappings: Vec<&'a Mapping<B>>,
 }
 
@@ -70,7 +71,7 @@ pub(crate) struct Space<B: Backend> {
     shareable: bool,
     /// Mapped units by address; every mapped byte is in the heap of its
     /// arena.
-    units: BTreeMap<u64, Mapping<B>>,
+    units: BTreeMap<Va, Mapping<B>>,
     /// Chunks held but not mapped.
     spares: Vec<Arc<Chunk<B>>>,
     /// Mappings that could be neither given access nor unmapped: out of
@@ -80,7 +81,7 @@ pub(crate) struct Space<B: Backend> {
     /// reserved, released again at the next trim (or when the pool goes).
     unreleased: Vec<Arc<Chunk<B>>>,
     /// Old mappings of moved units, by address.
-    aliases: BTreeMap<u64, Alias<B>>,
+    aliases: BTreeMap<Va, Alias<B>>,
     /// Physical bytes held: every chunk from its creation to its release.
     reserved: u64,
     reserved_high: u64,
@@ -112,8 +113,8 @@ impl<B: Backend> Space<B> {
         })
     }
 
-    pub(crate) fn base(&self) -> u64 {
-        self.reservation.base().0
+    pub(crate) fn base(&self) -> Va {
+        Va(self.reservation.base().0)
     }
 
     pub(crate) fn granule(&self) -> u64 {
@@ -124,7 +125,7 @@ impl<B: Backend> Space<B> {
         self.reservation.backend()
     }
 
-    pub(crate) fn units(&self) -> &BTreeMap<u64, Mapping<B>> {
+    pub(crate) fn units(&self) -> &BTreeMap<Va, Mapping<B>> {
         &self.units
     }
 
@@ -160,7 +161,7 @@ impl<B: Backend> Space<B> {
         self.units
             .iter()
             .map(|(&va, m)| UnitView {
-                va,
+                va: va.0,
                 size: m.size() as u64,
                 chunk: m.chunk().handle().0,
             })
@@ -170,7 +171,7 @@ impl<B: Backend> Space<B> {
     /// The address of the first unit under `[ptr, ptr + size)` and the
     /// chunks of all of them, in address order. The range must be live, so
     /// that its units are mapped and stay put.
-    pub(crate) fn units_under(&self, ptr: u64, size: u64) -> (u64, Vec<Arc<Chunk<B>>>) {
+    pub(crate) fn units_under(&self, ptr: Va, size: u64) -> (Va, Vec<Arc<Chunk<B>>>) {
         let first = self
             .units
             .range(..=ptr)
@@ -185,12 +186,12 @@ impl<B: Backend> Space<B> {
     }
 
     /// The units in `range` in runs of adjacent ones, in address order.
-    pub(crate) fn unit_runs(&self, range: impl RangeBounds<u64>) -> Vec<UnitRun<'_, B>> {
+    pub(crate) fn unit_runs(&self, range: impl RangeBounds<Va>) -> Vec<UnitRun<'_, B>> {
         let mut runs: Vec<UnitRun<'_, B>> = Vec::new();
         for (&va, m) in self.units.range(range) {
             match runs.last_mut() {
                 Some(run) if run.range.end == va => {
-                    run.range.end += m.size() as u64;
+                    run.range.end = va + m.size() as u64;
                     run.mappings.push(m);
                 }
                 _ => runs.push(UnitRun {
@@ -248,14 +249,14 @@ impl<B: Backend> Space<B> {
     /// the whole range the access list in one driver call, which costs about
     /// as much for many chunks as for one. On failure, what this call
     /// mapped is unmapped again and every chunk is spare.
-    pub(crate) fn map_at(&mut self, start: u64, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
+    pub(crate) fn map_at(&mut self, start: Va, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
         let mut at = start;
-        let mut done: Vec<u64> = Vec::new();
+        let mut done: Vec<Va> = Vec::new();
         let mut chunks = chunks.into_iter();
         let mut failure = None;
         while let Some(chunk) = chunks.next() {
             let size = chunk.size() as u64;
-            match Mapping::new(&self.reservation, (at - self.base()) as usize, &chunk) {
+            match Mapping::new(&self.reservation, at.offset_from(self.base()), &chunk) {
                 Ok(mapping) => {
                     self.counters.maps += 1;
                     tracing::trace!(
@@ -281,7 +282,7 @@ impl<B: Backend> Space<B> {
             let access = self.mapping_access();
             if let Err(err) =
                 self.backend()
-                    .set_access(DevicePtr(start), (at - start) as usize, &access)
+                    .set_access(DevicePtr::from(start), at.offset_from(start), &access)
             {
                 failure = Some(err.into());
             }
@@ -299,12 +300,12 @@ impl<B: Backend> Space<B> {
     }
 
     /// Takes the unit at `va` out of the units, still mapped.
-    pub(crate) fn remove_unit(&mut self, va: u64) -> Mapping<B> {
+    pub(crate) fn remove_unit(&mut self, va: Va) -> Mapping<B> {
         self.units.remove(&va).expect("a unit is mapped there")
     }
 
     /// Puts back a unit [`Space::remove_unit`] took out.
-    pub(crate) fn restore_unit(&mut self, va: u64, mapping: Mapping<B>) {
+    pub(crate) fn restore_unit(&mut self, va: Va, mapping: Mapping<B>) {
         self.units.insert(va, mapping);
     }
 
@@ -337,13 +338,13 @@ impl<B: Backend> Space<B> {
 
     /// Keeps the unit just taken out at `va` mapped as an alias until its
     /// stream passes `until`.
-    pub(crate) fn add_alias(&mut self, va: u64, mapping: Mapping<B>, until: StreamPos) {
+    pub(crate) fn add_alias(&mut self, va: Va, mapping: Mapping<B>, until: StreamPos) {
         self.aliases.insert(va, Alias { mapping, until });
     }
 
     /// Unmaps the aliases of `stream` up to position `upto`.
     pub(crate) fn retire_aliases(&mut self, stream: u64, upto: u64) {
-        let passed: Vec<u64> = self
+        let passed: Vec<Va> = self
             .aliases
             .iter()
             .filter(|(_, a)| a.until.stream == stream && a.until.seq <= upto)
@@ -363,11 +364,11 @@ impl<B: Backend> Space<B> {
         self.aliases.values().any(|a| a.until.stream == stream)
     }
 
-    /// The aliases in `[start, end)`: (address, size), in address order.
-    pub(crate) fn aliases_in(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    /// The aliases in `range`: (address, size), in address order.
+    pub(crate) fn aliases_in(&self, range: Range<Va>) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.aliases
-            .range(start..end)
-            .map(|(&va, a)| (va, a.mapping.size() as u64))
+            .range(range)
+            .map(|(&va, a)| (va.0, a.mapping.size() as u64))
     }
 
     pub(crate) fn aliased_bytes(&self) -> u64 {
@@ -481,7 +482,7 @@ impl<B: Backend> Space<B> {
             }
         };
         let mut mapped = 0;
-        let mut prev_end = 0;
+        let mut prev_end = Va(0);
         for (&va, m) in &self.units {
             if va < prev_end {
                 problems.push(format!("unit at {va:#x} overlaps the one before"));

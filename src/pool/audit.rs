@@ -5,6 +5,7 @@ use vmm::Backend;
 
 use super::inner::Inner;
 use crate::stats::{PoolSnapshot, PoolStats};
+use crate::va::Va;
 
 pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
     let pending = inner.streams.totals();
@@ -57,7 +58,7 @@ pub(super) fn snapshot<B: Backend>(inner: &Inner<B>, va_size: u64) -> PoolSnapsh
     }
     free.sort_unstable();
     PoolSnapshot {
-        base: inner.space.base(),
+        base: inner.space.base().0,
         va_size,
         arenas: inner.arenas.iter().map(|a| (a.start, a.end)).collect(),
         units: inner.space.unit_views(),
@@ -119,9 +120,9 @@ pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), Str
     for arena in inner.arenas.iter() {
         let runs: Vec<(u64, u64)> = inner
             .space
-            .unit_runs(arena.start..arena.end)
+            .unit_runs(Va(arena.start)..Va(arena.end))
             .into_iter()
-            .map(|run| (run.range.start, run.range.end - run.range.start))
+            .map(|run| (run.range.start.0, run.range.end.0 - run.range.start.0))
             .collect();
         if arena.heap.regions() != runs {
             problems.push(format!(

@@ -41,6 +41,7 @@ use crate::space::{Space, SpaceProps};
 use crate::stats::{PoolAttribute, PoolSnapshot, PoolStats};
 use crate::sync::lock;
 use crate::trace::record::{record_path, Recorder};
+use crate::va::Va;
 use crate::{Error, Result};
 use inner::Inner;
 
@@ -138,7 +139,7 @@ impl<B: Backend> Pool<B> {
                 max_size: props.max_size.unwrap_or(u64::MAX),
             },
         )?;
-        let base = space.base();
+        let base = space.base().0;
         // An eighth of the address space for small allocations is far more
         // than they ever need; the rest is for large ones.
         let split = base + (va_size / 8).next_multiple_of(granule);
@@ -210,7 +211,8 @@ impl<B: Backend> Pool<B> {
         ptr: u64,
         size: u64,
     ) -> (u64, Vec<Arc<vmm::memory::Chunk<B>>>) {
-        self.lock().space.units_under(ptr, size)
+        let (first, chunks) = self.lock().space.units_under(Va(ptr), size);
+        (first.0, chunks)
     }
 
     /// Leaves the pool out when another pool of the device, out of memory,
