@@ -13,8 +13,8 @@
 //! ```
 //!
 //! What lies inside the units (allocations, free blocks) is the heap's
-//! business, not this object's. See Note [Physical lifecycle] and Note
-//! [Peer access] in docs/DESIGN.md.
+//! business, not this object's. See Note [Address space layout], Note
+//! [Physical lifecycle] and Note [Peer access] in docs/DESIGN.md.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::{Range, RangeBounds};
