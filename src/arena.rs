@@ -1,5 +1,5 @@
 //! The two parts of a pool's reservation, each with its own heap of mapped
-//! free space: small allocations, then large ones (Note [Placement] in
+//! free space: small allocations, then large ones (Note \[Placement\] in
 //! docs/DESIGN.md).
 
 use std::ops::{Index, IndexMut};

@@ -101,7 +101,7 @@ pub const DEFAULT_CHUNK_DIVISOR: u64 = 2048;
 pub const DEFAULT_GRANULE_GROWTH_BELOW: u64 = 2 << 30;
 
 /// Allocations below this size share the small arena (see Note
-/// [Placement] in docs/DESIGN.md).
+/// \[Placement\] in docs/DESIGN.md).
 pub const SMALL_LIMIT: u64 = 1 << 20;
 
 /// A [`PoolProps::chunk_divisor`] as text, as `VMPOOL_CHUNK_DIVISOR` and

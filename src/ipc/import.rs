@@ -35,7 +35,7 @@ struct Importer<B: Backend> {
 
 impl<B: Backend> ImportedPool<B> {
     /// Connects to the pool that made `handle` (see
-    /// [`Pool::export_to_shareable_handle`]). A descriptor that is not such
+    /// [`crate::Pool::export_to_shareable_handle`]). A descriptor that is not such
     /// a handle, or an exporter that has gone, is [`Error::Ipc`].
     pub fn from_shareable_handle(backend: &Arc<B>, handle: OwnedFd) -> Result<Self> {
         // A socket that nobody serves would never answer.

@@ -18,7 +18,7 @@
 //! and only then with new chunks. A unit moves only when no live byte is
 //! on it, so a pointer never moves. Stream-ordered frees wait with their
 //! stream, where the same stream reuses them without the pool's lock. See
-//! Note [Placement], Note [Growth and remapping] and Note [Stream-ordered
+//! Note \[Placement\], Note [Growth and remapping] and Note [Stream-ordered
 //! frees] in docs/DESIGN.md.
 
 mod audit;
