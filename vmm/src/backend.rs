@@ -17,13 +17,18 @@
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use crate::{Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo, Result};
+use crate::{
+    Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, HostBuffer, HostCopy,
+    MemInfo, Result,
+};
 
 pub trait Backend: Send + Sync + 'static {
     /// An ordered queue of device work.
     type Stream: Send + Sync;
     /// A point in a stream that other streams and the host can wait for.
     type Event: Send + Sync;
+    /// Host memory for copies to and from the device ([`Backend::alloc_host`]).
+    type HostBuffer: HostBuffer;
 
     /// `"cuda"` or `"host"`: shown to users, so they know what they measured.
     fn name(&self) -> &'static str;
@@ -134,4 +139,49 @@ pub trait Backend: Send + Sync + 'static {
     /// Work queued on `stream` after this call waits for the work `event`
     /// captured at the time of this call.
     fn stream_wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+
+    // ---- copies through host memory ----------------------------------------
+
+    /// `size` bytes of host memory that device copies read and write at
+    /// full speed (`cuMemHostAlloc`: page-locked), zeroed on the host
+    /// backend.
+    fn alloc_host(&self, size: usize) -> Result<Self::HostBuffer>;
+    /// Copies each range of device memory into `dst` at its host offset,
+    /// after the work queued on `stream` so far, and returns once every copy
+    /// has completed (one `cuMemcpyDtoHAsync` a range, then one stream
+    /// synchronisation). The device ranges must be mapped with read access
+    /// for the stream's device; a range outside `dst` is an error before
+    /// anything is copied.
+    fn copy_device_to_host(
+        &self,
+        stream: &Self::Stream,
+        ranges: &[HostCopy],
+        dst: &mut Self::HostBuffer,
+    ) -> Result<()>;
+    /// Copies each range from `src` at its host offset into device memory,
+    /// after the work queued on `stream` so far, and returns once every copy
+    /// has completed. The device ranges must be mapped read-write for the
+    /// stream's device.
+    fn copy_host_to_device(
+        &self,
+        stream: &Self::Stream,
+        src: &Self::HostBuffer,
+        ranges: &[HostCopy],
+    ) -> Result<()>;
+}
+
+/// Checks that every range lies inside a host buffer of `len` bytes.
+pub(crate) fn check_host_ranges(call: &'static str, ranges: &[HostCopy], len: usize) -> Result<()> {
+    for r in ranges {
+        if r.host_offset.checked_add(r.len).is_none_or(|end| end > len) {
+            return Err(crate::Error::invalid(
+                call,
+                format!(
+                    "{} bytes at offset {} do not fit a host buffer of {len} bytes",
+                    r.len, r.host_offset
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -33,4 +33,7 @@ mod types;
 
 pub use backend::Backend;
 pub use error::{Error, ErrorKind, Result};
-pub use types::{Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, MemInfo};
+pub use types::{
+    Access, AccessDesc, ChunkHandle, DeviceId, DevicePtr, EventStatus, HostBuffer, HostCopy,
+    MemInfo,
+};

@@ -90,3 +90,27 @@ pub enum EventStatus {
     /// Some of it is still queued or running.
     Pending,
 }
+
+/// One range of a copy between device memory and a host buffer: `len`
+/// bytes at `device`, and at `host_offset` in the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostCopy {
+    pub device: DevicePtr,
+    pub host_offset: usize,
+    pub len: usize,
+}
+
+/// Host memory the device copies to and from (page-locked on CUDA, where
+/// that is what lets a copy run at the bus's speed).
+pub trait HostBuffer: Send + Sync {
+    fn as_slice(&self) -> &[u8];
+    fn as_mut_slice(&mut self) -> &mut [u8];
+
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -451,6 +451,72 @@ pub fn only_shareable_chunks_export<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(read_u32s(&**b, &s, m.va(), 16), vec![0x5a5a; 16]);
 }
 
+/// Copies through host memory: several ranges out in one call, back in at
+/// other places, bytes intact; a range outside the buffer or not mapped is
+/// an error.
+pub fn copies_through_host_memory<B: TestBackend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let s = b.create_stream(DEV).unwrap();
+    let f = fixture(b, 4);
+    let second = Chunk::new(b, DEV, g).unwrap();
+    let m2 = Mapping::new(&f.reservation, 2 * g, &second).unwrap();
+    m2.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
+    b.fill_u32(&s, f.mapping.va(), 1024, 0x1111_2222).unwrap();
+    b.fill_u32(&s, f.mapping.va().byte_add(4096), 512, 0x3333_4444)
+        .unwrap();
+    let mut host = b.alloc_host(8192).unwrap();
+    assert_eq!(vmm::HostBuffer::len(&host), 8192);
+    let out = [
+        vmm::HostCopy {
+            device: f.mapping.va(),
+            host_offset: 0,
+            len: 4096,
+        },
+        vmm::HostCopy {
+            device: f.mapping.va().byte_add(4096),
+            host_offset: 4096,
+            len: 2048,
+        },
+    ];
+    // Queued after the fills: the copy sees them.
+    b.copy_device_to_host(&s, &out, &mut host).unwrap();
+    let words = |bytes: &[u8]| -> Vec<u32> {
+        bytes
+            .chunks_exact(4)
+            .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+            .collect()
+    };
+    let bytes = vmm::HostBuffer::as_slice(&host);
+    assert!(words(&bytes[..4096]).iter().all(|&w| w == 0x1111_2222));
+    assert!(words(&bytes[4096..6144]).iter().all(|&w| w == 0x3333_4444));
+    let back = [vmm::HostCopy {
+        device: m2.va(),
+        host_offset: 0,
+        len: 6144,
+    }];
+    b.copy_host_to_device(&s, &host, &back).unwrap();
+    assert_eq!(read_u32s(&**b, &s, m2.va(), 4), vec![0x1111_2222; 4]);
+    assert_eq!(
+        read_u32s(&**b, &s, m2.va().byte_add(4096), 4),
+        vec![0x3333_4444; 4]
+    );
+    let too_far = [vmm::HostCopy {
+        device: m2.va(),
+        host_offset: 8000,
+        len: 400,
+    }];
+    assert_kind(
+        b.copy_device_to_host(&s, &too_far, &mut host),
+        ErrorKind::InvalidArgument,
+    );
+    let unmapped = [vmm::HostCopy {
+        device: f.reservation.base().byte_add(3 * g),
+        host_offset: 0,
+        len: 64,
+    }];
+    assert!(b.copy_device_to_host(&s, &unmapped, &mut host).is_err());
+}
+
 /// What a graph capture (as PyTorch's `torch.cuda.graph` makes) refuses,
 /// which the pool must never ask for on a capturing stream.
 pub fn capture_refuses_what_crosses_it<B: TestBackend>(b: &Arc<B>) {
@@ -573,6 +639,7 @@ macro_rules! cases {
                 unmap_a_run_of_mappings,
                 set_access_errors,
                 remap_keeps_data,
+                copies_through_host_memory,
                 two_mappings_share_data,
                 multi_granule_chunk,
                 owners_keep_teardown_order,

@@ -54,6 +54,7 @@
 mod context;
 pub mod peers;
 mod result;
+mod staging;
 #[cfg(feature = "testing")]
 mod testing;
 
@@ -64,11 +65,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use cudarc::driver::sys;
 
 use self::context::DeviceContext;
+pub use self::staging::CudaHostBuffer;
+use crate::backend::check_host_ranges;
 use crate::error::report_drop_error;
 use crate::ranges::Ranges;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
-    MemInfo, Result,
+    HostBuffer, HostCopy, MemInfo, Result,
 };
 
 /// The CUDA driver as a [`Backend`].
@@ -353,6 +356,7 @@ impl Drop for CudaEvent {
 impl Backend for Cuda {
     type Stream = CudaStream;
     type Event = CudaEvent;
+    type HostBuffer = CudaHostBuffer;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -678,5 +682,29 @@ impl Backend for Cuda {
         // SAFETY: both hold live handles until they are dropped; waiting on
         // an event of another device is allowed.
         unsafe { result::stream_wait_event(stream.stream, event.event) }
+    }
+
+    fn alloc_host(&self, size: usize) -> Result<CudaHostBuffer> {
+        self.host_buffer(size)
+    }
+
+    fn copy_device_to_host(
+        &self,
+        stream: &CudaStream,
+        ranges: &[HostCopy],
+        dst: &mut CudaHostBuffer,
+    ) -> Result<()> {
+        check_host_ranges("copy_device_to_host", ranges, dst.len())?;
+        self.copy_out(stream, ranges, dst)
+    }
+
+    fn copy_host_to_device(
+        &self,
+        stream: &CudaStream,
+        src: &CudaHostBuffer,
+        ranges: &[HostCopy],
+    ) -> Result<()> {
+        check_host_ranges("copy_host_to_device", ranges, src.len())?;
+        self.copy_in(stream, src, ranges)
     }
 }

@@ -21,7 +21,7 @@ use cudarc::driver::sys::{self, CUresult};
 use crate::{Error, ErrorKind, EventStatus, Result};
 
 /// `Ok(())` on `CUDA_SUCCESS`, otherwise the error of `call`.
-fn check(call: &'static str, code: CUresult) -> Result<()> {
+pub(crate) fn check(call: &'static str, code: CUresult) -> Result<()> {
     match code {
         CUresult::CUDA_SUCCESS => Ok(()),
         code => Err(error(call, code)),
@@ -614,7 +614,6 @@ pub(crate) unsafe fn memset_d32_async(
 ///    [`mem_map`], which stay mapped until the copy has run.
 /// 3. `dst` is neither read, written nor freed until the stream has
 ///    finished the copy (the caller synchronises before it returns).
-#[cfg(feature = "testing")]
 pub(crate) unsafe fn memcpy_dtoh_async(
     dst: &mut [u8],
     src: sys::CUdeviceptr,

@@ -30,6 +30,7 @@
 //! announced size, so a foreign descriptor is an error and never a mapping
 //! that faults later. Imported chunks do not count as the importer's memory.
 
+mod staging;
 mod stream;
 mod sys;
 #[cfg(feature = "testing")]
@@ -40,12 +41,14 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+pub use staging::HostBytes;
 pub use stream::{HostEvent, HostStream};
 
+use crate::backend::check_host_ranges;
 use crate::ranges::Ranges;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
-    MemInfo, Result,
+    HostBuffer, HostCopy, MemInfo, Result,
 };
 
 /// Shape of the simulated machine.
@@ -296,6 +299,8 @@ impl Memory {
 impl Backend for Host {
     type Stream = HostStream;
     type Event = HostEvent;
+
+    type HostBuffer = HostBytes;
 
     fn name(&self) -> &'static str {
         "host"
@@ -596,6 +601,32 @@ impl Backend for Host {
 
     fn stream_wait_event(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {
         event.make_wait(stream)
+    }
+
+    fn alloc_host(&self, size: usize) -> Result<HostBytes> {
+        Ok(HostBytes::zeroed(size))
+    }
+
+    fn copy_device_to_host(
+        &self,
+        stream: &HostStream,
+        ranges: &[HostCopy],
+        dst: &mut HostBytes,
+    ) -> Result<()> {
+        check_host_ranges("copy_device_to_host", ranges, dst.len())?;
+        self.memory.not_in_capture("copy_device_to_host")?;
+        stream.copy_out(ranges, dst)
+    }
+
+    fn copy_host_to_device(
+        &self,
+        stream: &HostStream,
+        src: &HostBytes,
+        ranges: &[HostCopy],
+    ) -> Result<()> {
+        check_host_ranges("copy_host_to_device", ranges, src.len())?;
+        self.memory.not_in_capture("copy_host_to_device")?;
+        stream.copy_in(src, ranges)
     }
 }
 

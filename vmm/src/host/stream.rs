@@ -145,6 +145,10 @@ impl HostStream {
         })
     }
 
+    pub(super) fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
     pub fn device(&self) -> DeviceId {
         self.device
     }

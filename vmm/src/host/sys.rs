@@ -172,7 +172,6 @@ pub(super) unsafe fn fill_u32(start: usize, count: usize, value: u32) {
 /// 1. [start, start + dst.len()) is mapped readable and stays so for the
 ///    duration of the call.
 /// 2. `start` is 4-byte aligned.
-#[cfg(feature = "testing")]
 pub(super) unsafe fn read(start: usize, dst: &mut [u8]) {
     use std::sync::atomic::{AtomicU32, Ordering};
     let words = dst.len().div_ceil(4);
@@ -182,6 +181,32 @@ pub(super) unsafe fn read(start: usize, dst: &mut [u8]) {
         // whole pages and `start` is word aligned.
         let word = unsafe { AtomicU32::from_ptr((start as *mut u32).add(i)) };
         out.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes()[..out.len()]);
+    }
+}
+
+/// Writes `src` at `start`, a 4-byte word at a time.
+///
+/// # Safety
+/// 1. [start, start + src.len()) is mapped readable and writable and stays
+///    so for the duration of the call.
+/// 2. `start` is 4-byte aligned.
+pub(super) unsafe fn write(start: usize, src: &[u8]) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    for (i, bytes) in src.chunks(4).enumerate() {
+        // SAFETY: by 1 and 2 the word is mapped, writable and aligned; a
+        // partial last word is still inside the mapping because mappings are
+        // whole pages and `start` is word aligned. Atomic, as in `read`.
+        let word = unsafe { AtomicU32::from_ptr((start as *mut u32).add(i)) };
+        if bytes.len() == 4 {
+            word.store(
+                u32::from_ne_bytes(bytes.try_into().expect("4 bytes")),
+                Ordering::Relaxed,
+            );
+        } else {
+            let mut now = word.load(Ordering::Relaxed).to_ne_bytes();
+            now[..bytes.len()].copy_from_slice(bytes);
+            word.store(u32::from_ne_bytes(now), Ordering::Relaxed);
+        }
     }
 }
 

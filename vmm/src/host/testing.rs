@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::{sys, Host, HostStream, Memory};
 use crate::testing::TestBackend;
-use crate::{Access, DeviceId, DevicePtr, Error, ErrorKind, Result};
+use crate::{Access, DeviceId, DevicePtr, Error, Result};
 
 /// Test work queued on a stream, run by its worker in order with the rest.
 pub(super) enum Work {
@@ -56,47 +56,6 @@ impl Work {
 }
 
 impl Memory {
-    /// Runs `f` on [start, start + len) after checking, under the read lock,
-    /// that `device` may access all of it as `need` requires.
-    fn with_access<T>(
-        &self,
-        device: DeviceId,
-        start: DevicePtr,
-        len: usize,
-        need: Access,
-        f: impl FnOnce() -> T,
-    ) -> Result<T> {
-        let tables = self.tables();
-        let covering = tables
-            .mappings
-            .covering(start.0, len.max(1))
-            .ok_or_else(|| {
-                Error::rejected(
-                    "stream access",
-                    ErrorKind::StreamFault,
-                    format!("{len} bytes at {start} are not all mapped"),
-                )
-            })?;
-        for (va, m) in covering {
-            let has = m.value.access.get(&device).copied().unwrap_or(Access::None);
-            let ok = match need {
-                Access::ReadWrite => has == Access::ReadWrite,
-                Access::Read => has != Access::None,
-                Access::None => true,
-            };
-            if !ok {
-                return Err(Error::rejected(
-                    "stream access",
-                    ErrorKind::StreamFault,
-                    format!(
-                        "{device} has {has:?} access to the mapping at {va:#x}, needs {need:?}"
-                    ),
-                ));
-            }
-        }
-        Ok(f())
-    }
-
     fn fill(&self, device: DeviceId, dst: DevicePtr, count: usize, value: u32) -> Result<()> {
         let len = count
             .checked_mul(4)

@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::TestBackend;
 use crate::{
     Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr, Error, ErrorKind, EventStatus,
-    MemInfo, Result,
+    HostCopy, MemInfo, Result,
 };
 
 /// The calls a fault can be injected into.
@@ -31,6 +31,9 @@ pub enum Call {
     CreateEvent,
     RecordEvent,
     StreamWaitEvent,
+    AllocHost,
+    CopyDeviceToHost,
+    CopyHostToDevice,
 }
 
 impl Call {
@@ -48,6 +51,9 @@ impl Call {
             Call::CreateEvent => "create_event",
             Call::RecordEvent => "record_event",
             Call::StreamWaitEvent => "stream_wait_event",
+            Call::AllocHost => "alloc_host",
+            Call::CopyDeviceToHost => "copy_device_to_host",
+            Call::CopyHostToDevice => "copy_host_to_device",
         }
     }
 }
@@ -103,6 +109,30 @@ impl<B: Backend> Faulty<B> {
 impl<B: Backend> Backend for Faulty<B> {
     type Stream = B::Stream;
     type Event = B::Event;
+    type HostBuffer = B::HostBuffer;
+
+    fn alloc_host(&self, size: usize) -> Result<B::HostBuffer> {
+        self.enter(Call::AllocHost)?;
+        self.inner.alloc_host(size)
+    }
+    fn copy_device_to_host(
+        &self,
+        stream: &B::Stream,
+        ranges: &[HostCopy],
+        dst: &mut B::HostBuffer,
+    ) -> Result<()> {
+        self.enter(Call::CopyDeviceToHost)?;
+        self.inner.copy_device_to_host(stream, ranges, dst)
+    }
+    fn copy_host_to_device(
+        &self,
+        stream: &B::Stream,
+        src: &B::HostBuffer,
+        ranges: &[HostCopy],
+    ) -> Result<()> {
+        self.enter(Call::CopyHostToDevice)?;
+        self.inner.copy_host_to_device(stream, src, ranges)
+    }
 
     fn name(&self) -> &'static str {
         self.inner.name()

@@ -1,0 +1,158 @@
+//! Copies between device memory and page-locked host memory on CUDA: what
+//! a pool that sleeps uses to keep its bytes (see
+//! [`Backend::copy_device_to_host`]).
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use cudarc::driver::sys;
+
+use super::{result, Cuda, CudaStream};
+use crate::error::report_drop_error;
+use crate::{HostBuffer, HostCopy, Result};
+
+/// Page-locked host memory (`cuMemHostAlloc`), freed when dropped.
+#[derive(Debug)]
+pub struct CudaHostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value alone; the
+// driver touches it only during a copy, which the methods below complete
+// before they return.
+unsafe impl Send for CudaHostBuffer {}
+// SAFETY: as above; shared references only read it.
+unsafe impl Sync for CudaHostBuffer {}
+
+impl HostBuffer for CudaHostBuffer {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` holds `len` initialised bytes (zeroed at
+        // allocation) for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only
+        // reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for CudaHostBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: `ptr` came from `mem_host_alloc` and is freed only here;
+        // every copy that used it completed before its call returned.
+        if let Err(err) = unsafe { mem_free_host(self.ptr.as_ptr().cast::<c_void>()) } {
+            report_drop_error("freeing page-locked host memory", &err);
+        }
+    }
+}
+
+impl Cuda {
+    pub(super) fn host_buffer(&self, size: usize) -> Result<CudaHostBuffer> {
+        if size == 0 {
+            return Ok(CudaHostBuffer {
+                ptr: NonNull::dangling(),
+                len: 0,
+            });
+        }
+        let context = self.device("alloc_host", crate::DeviceId(0))?;
+        let _bound = context.bind()?;
+        let raw = mem_host_alloc(size)?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            crate::Error::invalid("cuMemHostAlloc", "the driver returned a null pointer")
+        })?;
+        // SAFETY: the driver gave `size` writable bytes at `ptr`; zeroing
+        // them makes every byte initialised before a slice is made of them.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size) };
+        Ok(CudaHostBuffer { ptr, len: size })
+    }
+
+    pub(super) fn copy_out(
+        &self,
+        stream: &CudaStream,
+        ranges: &[HostCopy],
+        dst: &mut CudaHostBuffer,
+    ) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        let base = dst.as_mut_slice();
+        for r in ranges.iter().filter(|r| r.len > 0) {
+            let _mapped = self.mapped("copy_device_to_host", r.device, r.len)?;
+            let out = &mut base[r.host_offset..r.host_offset + r.len];
+            // SAFETY: the stream is live until dropped; the source lies in
+            // vmm's mappings and the caller keeps it mapped until this call
+            // returns; `out` is borrowed mutably for the whole call and not
+            // touched until the synchronisation below completes the copy.
+            unsafe { result::memcpy_dtoh_async(out, r.device.0, stream.stream) }?;
+        }
+        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
+        unsafe { result::stream_synchronize(stream.stream) }
+    }
+
+    pub(super) fn copy_in(
+        &self,
+        stream: &CudaStream,
+        src: &CudaHostBuffer,
+        ranges: &[HostCopy],
+    ) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        let base = src.as_slice();
+        for r in ranges.iter().filter(|r| r.len > 0) {
+            let _mapped = self.mapped("copy_host_to_device", r.device, r.len)?;
+            let from = &base[r.host_offset..r.host_offset + r.len];
+            // SAFETY: as in `copy_out`, with `src` borrowed for the whole
+            // call and the destination in vmm's mappings.
+            unsafe { memcpy_htod_async(r.device.0, from, stream.stream) }?;
+        }
+        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
+        unsafe { result::stream_synchronize(stream.stream) }
+    }
+}
+
+// ---- the driver calls only copies through host memory make ----------------
+
+/// `cuMemcpyHtoDAsync_v2`: queues a copy of `src.len()` bytes to `dst`.
+///
+/// # Safety
+/// 1. `stream` is a live stream from [`result::stream_create`].
+/// 2. `[dst, dst + src.len())` lies in mappings the caller made with
+///    [`result::mem_map`], which stay mapped until the copy has run.
+/// 3. `src` is neither written nor freed until the stream has finished the
+///    copy (the caller synchronises before it returns).
+unsafe fn memcpy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: &[u8],
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: `src` is valid for reads of `src.len()` bytes; the caller
+    // upholds 1 to 3, so it stays so until the copy is done.
+    result::check("cuMemcpyHtoDAsync_v2", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream)
+    })
+}
+
+/// `cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE`: `size` bytes of
+/// page-locked host memory that every context may copy to and from.
+fn mem_host_alloc(size: usize) -> Result<*mut c_void> {
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: `ptr` is a valid place for the result; the driver checks the
+    // size and flags.
+    result::check("cuMemHostAlloc", unsafe {
+        sys::cuMemHostAlloc(&mut ptr, size, sys::CU_MEMHOSTALLOC_PORTABLE)
+    })?;
+    Ok(ptr)
+}
+
+/// `cuMemFreeHost`.
+///
+/// # Safety
+/// `ptr` came from [`mem_host_alloc`], is freed once, and no copy that
+/// uses it is still queued.
+unsafe fn mem_free_host(ptr: *mut c_void) -> Result<()> {
+    // SAFETY: the caller upholds the contract above.
+    result::check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr) })
+}
