@@ -76,6 +76,30 @@ pub enum Error {
     /// or data is not what vmpool sends.
     #[error("sharing with another process: {0}")]
     Ipc(String),
+    /// The pool is asleep (`Pool::sleep`): it allocates and frees nothing
+    /// until `Pool::wake`.
+    #[error("the pool is asleep: wake it before allocating or freeing")]
+    Asleep,
+    /// `Pool::sleep` of a pool asleep already, or `Pool::wake` of one that
+    /// is awake.
+    #[error("the pool is {0}")]
+    SleepState(&'static str),
+    /// `Pool::sleep` found memory a stream may still use that it cannot
+    /// wait for (a graph capture is under way).
+    #[error("the pool cannot sleep during a graph capture")]
+    SleepDuringCapture,
+    /// `Pool::wake` could not get its memory back from the device. Nothing
+    /// changed: the pool is still asleep with its bytes on the host, and
+    /// waking can be tried again once memory is free.
+    #[error(
+        "waking needs {needed} bytes on {device}; the device has {device_free} bytes free          ({kept} bytes wait on the host)"
+    )]
+    WakeOutOfMemory {
+        device: DeviceId,
+        needed: u64,
+        device_free: u64,
+        kept: u64,
+    },
     /// A driver call failed; the pool is still consistent.
     #[error(transparent)]
     Driver(#[from] vmm::Error),

@@ -245,6 +245,28 @@ impl Heap {
         }
     }
 
+    /// The allocated ranges, adjacent blocks joined, as (start, length) in
+    /// address order.
+    pub fn used_ranges(&self) -> Vec<(u64, u64)> {
+        let mut starts: Vec<u32> = self.region_starts.values().copied().collect();
+        starts.sort_unstable_by_key(|&id| self.blocks[id as usize].addr);
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        for first in starts {
+            let mut at = first;
+            while at != NONE {
+                let b = &self.blocks[at as usize];
+                if !b.free {
+                    match used.last_mut() {
+                        Some((start, len)) if *start + *len == b.addr => *len += b.size,
+                        _ => used.push((b.addr, b.size)),
+                    }
+                }
+                at = b.next_phys;
+            }
+        }
+        used
+    }
+
     /// The largest free block's size (0 when there is none).
     pub fn largest_free(&self) -> u64 {
         if self.fl_bitmap == 0 {
@@ -629,6 +651,15 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(h.regions(), runs);
+                // The used ranges are the runs of used quanta.
+                let mut used: Vec<(u64, u64)> = Vec::new();
+                for (&k, _) in model.iter().filter(|(_, u)| **u) {
+                    match used.last_mut() {
+                        Some((start, len)) if *start + *len == k * q => *len += q,
+                        _ => used.push((k * q, q)),
+                    }
+                }
+                prop_assert_eq!(h.used_ranges(), used);
             }
         }
     }

@@ -29,7 +29,7 @@ pub use graph_pools::{
     Closed, GraphAllocation, GraphPoolError, GraphPoolId, GraphPools, GraphPoolsStats,
 };
 pub use ordering::{Event, Stream};
-pub use pool::Pool;
+pub use pool::{Pool, Retention, SleepLevel, SleepReport, WakeReport};
 pub use props::{
     parse_chunk_divisor, HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE,
     DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,

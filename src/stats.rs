@@ -77,6 +77,10 @@ pub struct PoolStats {
     /// Old places of units moved while their stream could still use them:
     /// mapped (to the same memory as the new place) until it passes.
     pub aliased_bytes: u64,
+    /// The pool is asleep (`Pool::sleep`): its units are released.
+    pub asleep: bool,
+    /// While asleep: live bytes waiting in host memory for `Pool::wake`.
+    pub kept_on_host_bytes: u64,
 }
 
 /// A picture of a pool's address space: for a debug dump (its `Display`

@@ -46,6 +46,8 @@ pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
             .unwrap_or(0),
         pending_bytes: inner.guards.bytes() + pending.bytes,
         aliased_bytes: inner.space.aliased_bytes(),
+        asleep: inner.slumber.is_some(),
+        kept_on_host_bytes: inner.slumber.as_ref().map_or(0, |s| s.kept_bytes()),
     }
 }
 
@@ -83,7 +85,12 @@ pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), Str
     // heap; guarded ones are free there.
     let allocated = inner.live_bytes() + inner.streams.totals().bytes;
     let registered = |stream| inner.streams.is_registered(stream);
-    let (mapped, chunks_held) = inner.space.audit(registered, &mut problems);
+    let (mut mapped, chunks_held) = inner.space.audit(registered, &mut problems);
+    // Asleep, the heaps still describe the units released, which wake maps
+    // again where they were.
+    if let Some(slumber) = &inner.slumber {
+        mapped += slumber.unit_bytes();
+    }
     let free: u64 = inner.arenas.iter().map(|a| a.heap.free_bytes()).sum();
     let mut free_ranges = Vec::new();
     for arena in inner.arenas.iter() {
@@ -118,12 +125,23 @@ pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), Str
     // Planning takes the ranges in use from the heaps' regions: each must
     // be a run of adjacent units, and every run one region.
     for arena in inner.arenas.iter() {
-        let runs: Vec<(u64, u64)> = inner
-            .space
-            .unit_runs(Va(arena.start)..Va(arena.end))
-            .into_iter()
-            .map(|run| (run.range.start.0, run.range.end.0 - run.range.start.0))
-            .collect();
+        let runs: Vec<(u64, u64)> = match &inner.slumber {
+            Some(slumber) => {
+                let mapped: Vec<(Va, u64)> = inner
+                    .space
+                    .units()
+                    .iter()
+                    .map(|(&va, m)| (va, m.size() as u64))
+                    .collect();
+                slumber.runs_in(arena.start, arena.end, &mapped)
+            }
+            None => inner
+                .space
+                .unit_runs(Va(arena.start)..Va(arena.end))
+                .into_iter()
+                .map(|run| (run.range.start.0, run.range.end.0 - run.range.start.0))
+                .collect(),
+        };
         if arena.heap.regions() != runs {
             problems.push(format!(
                 "the heap's regions in [{:#x}, {:#x}) are not the runs of its units",

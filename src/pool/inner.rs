@@ -12,6 +12,8 @@ use crate::ordering::{Guard, Guards, Pending, StreamPos, StreamShared, Streams};
 use crate::space::Space;
 use crate::{Error, Result};
 
+use super::sleep::{Retention, Slumber};
+
 /// How many of a stream's latest small frees (small-arena blocks) stay
 /// pending when a miss merges the others into the heap: a program that
 /// allocates small blocks of a few sizes over and over (generation, a layer
@@ -73,6 +75,10 @@ pub(super) struct Inner<B: Backend> {
     pub(super) defragment: bool,
     pub(super) calls: CallCounters,
     pub(super) growth: GrowthCounters,
+    /// What sleeping does with the pool's bytes.
+    pub(super) retention: Retention,
+    /// While the pool sleeps: its kept bytes and where its units were.
+    pub(super) slumber: Option<Slumber<B>>,
     /// A reused buffer: the guards an allocation finds in its range, empty
     /// between calls.
     found_guards: Vec<(u64, Guard)>,
@@ -97,6 +103,8 @@ impl<B: Backend> Inner<B> {
             defragment,
             calls: CallCounters::default(),
             growth: GrowthCounters::default(),
+            retention: Retention::default(),
+            slumber: None,
             found_guards: Vec::new(),
             released: Vec::new(),
         }
@@ -146,6 +154,9 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
+        if self.slumber.is_some() {
+            return Err(Error::Asleep);
+        }
         // Opportunistic reuse: frees whose events have completed go back to
         // the heap. One stream-ordered miss in a few looks, which keeps
         // guards and aliases from piling up; before it grows, the pool

@@ -23,6 +23,7 @@
 
 mod audit;
 mod inner;
+mod sleep;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -44,6 +45,7 @@ use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
 use inner::Inner;
+pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
 
 /// `repr(C)` and aligned to a cache line: what an allocation and a free
 /// read outside the lock comes first and shares one line (Note [Cache-line
@@ -67,6 +69,9 @@ struct Shared<B: Backend> {
     /// Left out when a pool of the device asks the others to release unused
     /// memory: a graph pool's unused memory is what its graphs replay into.
     keeps_unused: AtomicBool,
+    /// Asleep (see [`Pool::sleep`]): read by the frees, which do not all
+    /// take the lock.
+    asleep: AtomicBool,
 }
 
 /// The pools of one device.
@@ -174,6 +179,7 @@ impl<B: Backend> Pool<B> {
             inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment)),
             siblings: Arc::downgrade(siblings),
             keeps_unused: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
         });
         let mut list = lock(siblings);
         list.retain(WeakPool::is_alive);
@@ -266,6 +272,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
+        self.awake()?;
         // The allocation is not moved through an Option on the common way:
         // those copies cost the free path time (docs/RESULTS.md, "The pool
         // split").
@@ -297,6 +304,15 @@ impl<B: Backend> Pool<B> {
         while !stream.0.push_free(self.0.id, pending) {
             self.register(&stream.0);
         }
+    }
+
+    /// Refuses a free while the pool sleeps (its memory is not mapped).
+    #[inline(always)]
+    fn awake(&self) -> Result<()> {
+        if self.0.asleep.load(Ordering::Acquire) {
+            return Err(Error::Asleep);
+        }
+        Ok(())
     }
 
     /// Out of line: a stream registers once, then frees on the hot path.
@@ -406,6 +422,7 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
+        self.awake()?;
         if self.0.exports.any() {
             if let Some(allocation) = self.0.exports.on_free(allocation, None) {
                 self.release(&allocation);
