@@ -10,7 +10,7 @@ peaks, chunks created and released, maps, unmaps, remaps, bytes remapped.
 A change that must keep the allocator's behaviour keeps this output
 byte for byte:
 
-    cargo build --release --bin vmpool-replay
+    cargo build --release -p vmpool-tools
     scripts/replay_plans.py > before.txt     # on the old commit
     scripts/replay_plans.py > after.txt      # on the new one
     diff before.txt after.txt
@@ -60,7 +60,7 @@ def main():
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     if not os.path.exists(args.replay):
-        sys.exit(f"{args.replay} not found: cargo build --release --bin vmpool-replay")
+        sys.exit(f"{args.replay} not found: cargo build --release -p vmpool-tools")
     traces = sorted(glob.glob(os.path.join(ROOT, "traces", "*.trace.gz")))
     if args.shared:
         traces += sorted(glob.glob(os.path.join(args.shared, "*.trace.gz")))

@@ -10,7 +10,7 @@ of gpt2_train (scripts/trace_variants.py); generation, the recorded
 generation trace and four variants of it. Each is replayed synchronously
 and stream-ordered: 28 training replays and 10 generation ones.
 
-    cargo build --release --bin vmpool-replay
+    cargo build --release -p vmpool-tools
     scripts/replay_suite.py [--passes 8] [--jobs 2] [-- VMPOOL-REPLAY OPTIONS]
     scripts/replay_suite.py -- --chunk-divisor 1024
 """
@@ -62,7 +62,7 @@ def main():
     if args.passes < 2:
         p.error("--passes must be at least 2")
     if not os.path.exists(args.replay):
-        sys.exit(f"{args.replay} not found: cargo build --release --bin vmpool-replay")
+        sys.exit(f"{args.replay} not found: cargo build --release -p vmpool-tools")
     if not args.shared:
         sys.exit("the reference traces: --shared DIR or VMPOOL_EXTRA_TRACES")
     shared = [os.path.join(args.shared, f"{name}.trace.gz") for name in ("gpt2_train", "resnet_train")]

@@ -1,4 +1,6 @@
-//! What the command-line tools share.
+//! What vmpool's command-line tools share: the backend option and logging.
+//! The tools are `vmpool-replay` and `vmpool-bench` (this package's
+//! binaries) and `vmpool-soak` (soak/).
 
 use clap::ValueEnum;
 

@@ -30,8 +30,7 @@ use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-mod common;
-use common::BackendKind;
+use vmpool_tools::BackendKind;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum AllocatorKind {
@@ -356,7 +355,7 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize)
 }
 
 fn main() -> Result<()> {
-    common::init_tracing();
+    vmpool_tools::init_tracing();
     let args = Args::parse();
     let trace = Trace::read(
         File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,

@@ -25,8 +25,7 @@ use clap::Parser;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-mod common;
-use common::BackendKind;
+use vmpool_tools::BackendKind;
 
 const DEV: DeviceId = DeviceId(0);
 const SIZES: [u64; 3] = [256, 1 << 20, 64 << 20];
@@ -145,7 +144,7 @@ fn bench_cuda_peers(cuda: &Arc<vmm::cuda::Cuda>, figures: &mut Figures) -> Resul
 }
 
 fn main() -> Result<()> {
-    common::init_tracing();
+    vmpool_tools::init_tracing();
     let args = Args::parse();
     let mut figures = Figures::default();
     let backend = match args.backend {
