@@ -119,3 +119,27 @@ pub fn parse_chunk_divisor(text: &str) -> std::result::Result<Option<u64>, Strin
         },
     }
 }
+
+/// Bytes as text, as the tools' size options (`--chunk-size 1GiB`) and the
+/// C layer's byte settings (`VMPOOL_CHUNK_SIZE=512MiB`) take them: a number,
+/// whole or with a fraction, then an optional unit, case and spaces aside:
+/// `B`, or `K`, `M`, `G`, `T`, `P`, `E` with or without `B` or `iB`, each a
+/// power of 1024 (memory sizes, as PyTorch's settings count them: `2G` and
+/// `2GB` are both `2GiB`); or `max` for [`u64::MAX`]. The error says what
+/// was expected.
+///
+/// ```
+/// assert_eq!(vmpool::parse_bytes("512MiB"), Ok(512 << 20));
+/// assert_eq!(vmpool::parse_bytes("2G"), Ok(2 << 30));
+/// assert_eq!(vmpool::parse_bytes("4096"), Ok(4096));
+/// assert!(vmpool::parse_bytes("2 GX").is_err());
+/// ```
+pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    if text.trim().eq_ignore_ascii_case("max") {
+        return Ok(u64::MAX);
+    }
+    parse_size::Config::new()
+        .with_binary()
+        .parse_size(text)
+        .map_err(|_| format!("{text:?}: expected bytes, such as 1073741824, 512MiB, 2G or max"))
+}

@@ -1,8 +1,6 @@
 //! The C layer's settings, from the environment (README.md, "PyTorch"):
 //! which backend, the pools' chunk sizes and release threshold, timing.
 
-use std::str::FromStr;
-
 /// A whole number of at least 1 the environment asked for.
 fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
     name: &'static str,
@@ -19,29 +17,13 @@ fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
     }
 }
 
-/// Bytes the environment asked for: a number with an optional binary
-/// suffix (`K`, `M`, `G`, `T`, with or without `iB`), or `max`.
+/// Bytes the environment asked for, in the forms the tools' size options
+/// take ([`vmpool::parse_bytes`]: `512MiB`, `2G`, `1.5GiB`, `max`).
 fn parse_bytes(name: &str, value: &str) -> Result<u64, ConfigError> {
-    let bad = || ConfigError::Bytes {
+    vmpool::parse_bytes(value).map_err(|_| ConfigError::Bytes {
         name: name.to_owned(),
         value: value.to_owned(),
-    };
-    let v = value.trim();
-    if v.eq_ignore_ascii_case("max") {
-        return Ok(u64::MAX);
-    }
-    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
-    let (number, suffix) = v.split_at(digits);
-    let number = u64::from_str(number).map_err(|_| bad())?;
-    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KIB" => 10,
-        "M" | "MIB" => 20,
-        "G" | "GIB" => 30,
-        "T" | "TIB" => 40,
-        _ => return Err(bad()),
-    };
-    number.checked_mul(1 << shift).ok_or_else(bad)
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -202,7 +184,7 @@ mod tests {
         assert_eq!(c.granule_growth_below, 512 << 20);
         let c = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "0")]).unwrap();
         assert_eq!(c.granule_growth_below, 0);
-        let err = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "2 GB")]).unwrap_err();
+        let err = config(&[("VMPOOL_GRANULE_GROWTH_BELOW", "2 GX")]).unwrap_err();
         assert!(
             err.to_string().contains("VMPOOL_GRANULE_GROWTH_BELOW"),
             "{err}"
@@ -230,13 +212,22 @@ mod tests {
             ("2MiB", 2 << 20),
             ("1 GiB", 1 << 30),
             ("3g", 3 << 30),
+            ("2 GB", 2 << 30),
+            ("1.5GiB", 3 << 29),
             ("max", u64::MAX),
             ("MAX", u64::MAX),
         ] {
             let c = config(&[("VMPOOL_RELEASE_THRESHOLD", text)]).unwrap();
             assert_eq!(c.release_threshold, bytes, "{text}");
         }
-        for bad in ["", "-1", "1.5G", "12Q", "99999999999999999999", "20000000T"] {
+        for bad in [
+            "",
+            "-1",
+            "1.5.G",
+            "12Q",
+            "99999999999999999999",
+            "20000000T",
+        ] {
             let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
         }
