@@ -65,7 +65,20 @@ pub(super) fn release_range(start: usize, size: usize) -> Result<()> {
 /// shrank under a mapping would fault on access).
 pub(super) fn create_memory(size: usize) -> Result<OwnedFd> {
     let fd = rustix::fs::memfd_create("vmm-chunk", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-        .map_err(|e| os_error("memfd_create", e))?;
+        .map_err(|e| match e {
+            // Each chunk holds a descriptor open while it lives: a large
+            // allocation of small chunks runs out of descriptors before memory.
+            rustix::io::Errno::MFILE | rustix::io::Errno::NFILE => Error::rejected(
+                "memfd_create",
+                ErrorKind::Other,
+                format!(
+                    "{e}: the host backend holds one file descriptor per chunk, and the \
+                     allocation needs more chunks than the process's descriptor limit \
+                     allows (raise `ulimit -n`, or use larger chunks)"
+                ),
+            ),
+            e => os_error("memfd_create", e),
+        })?;
     rustix::fs::ftruncate(&fd, size as u64).map_err(|e| os_error("ftruncate", e))?;
     rustix::fs::fcntl_add_seals(&fd, CHUNK_SEALS).map_err(|e| os_error("fcntl", e))?;
     Ok(fd)
