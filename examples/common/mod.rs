@@ -14,10 +14,13 @@ pub enum Which {
 }
 
 /// Logs what vmpool does as `RUST_LOG` asks (`vmpool=debug`: growth,
-/// remaps, trims; `vmpool=trace`: every allocation too).
+/// remaps, trims; `vmpool=trace`: every allocation too), in colour only
+/// on a terminal.
 pub fn init_tracing() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_ansi(std::io::stdout().is_terminal())
         .init();
 }
 

@@ -4,42 +4,55 @@
 //! stream, ordered by an event), synchronize now and then (so pools trim),
 //! and at the end show that memory is back to where it started.
 //!
-//!     vmpool-soak [--backend host|cuda] [--seconds N] [--threads T] [--json]
+//!     vmpool-soak [--backend auto|cuda|host] [--seconds N] [--threads T]
+//!                 [--live-per-thread BYTES] [--json]
+//!
+//! It says how far it is on stderr every few seconds.
 
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, Stream};
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendKind {
-    Host,
-    Cuda,
-}
+use vmpool_tools::BackendKind;
 
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
 /// Bytes checked at each end of an allocation, and words in between.
 const CHECK_EDGE: u64 = 64 << 10;
 const CHECK_WORDS: usize = 16;
+/// How often the soak says how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Parser)]
-#[command(about = "Soak vmpool's stream-ordered allocator for a bounded time")]
+#[command(
+    name = "vmpool-soak",
+    version,
+    about = "Soak vmpool's stream-ordered allocator for a bounded time"
+)]
 struct Args {
-    #[arg(long, value_enum, default_value = "host")]
+    /// Where to run: `auto` is the GPU if one can be opened, else the host
+    /// backend.
+    #[arg(long, value_enum, default_value = "auto")]
     backend: BackendKind,
-    #[arg(long, default_value_t = 30)]
+    /// How long the threads allocate, fill, check and free, in seconds (at
+    /// least 1); then what is live is checked and freed.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     seconds: u64,
-    #[arg(long, default_value_t = 4)]
+    /// Threads, each with its own stream, all on the device's default pool
+    /// (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     threads: u64,
-    /// Live bytes each thread may hold at most.
-    #[arg(long, default_value_t = 512 * MIB)]
+    /// Live bytes each thread may hold at most, with a unit or in bytes:
+    /// 512MiB, 1G.
+    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes, default_value_t = 512 * MIB)]
     live_per_thread: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -97,12 +110,20 @@ fn check<B: TestBackend>(
     Ok(read)
 }
 
+/// What the threads have done so far, for the progress lines.
+#[derive(Default)]
+struct Progress {
+    allocations: AtomicU64,
+    bytes_checked: AtomicU64,
+}
+
 fn worker<B: TestBackend>(
     ctx: &Context<B>,
     streams: &[Stream<B>],
     me: usize,
     args: &Args,
     deadline: Instant,
+    progress: &Progress,
 ) -> Result<Totals> {
     let b = ctx.backend();
     let s = &streams[me];
@@ -121,10 +142,13 @@ fn worker<B: TestBackend>(
             live_bytes += a.size();
             t.allocations += 1;
             t.bytes_allocated += a.size();
+            progress.allocations.fetch_add(1, Ordering::Relaxed);
             live.push((a, value));
         } else if !live.is_empty() {
             let (a, value) = live.swap_remove(rng.random_range(0..live.len()));
-            t.bytes_checked += check(&**b, s, &a, value, &mut rng)?;
+            let read = check(&**b, s, &a, value, &mut rng)?;
+            t.bytes_checked += read;
+            progress.bytes_checked.fetch_add(read, Ordering::Relaxed);
             live_bytes -= a.size();
             t.frees += 1;
             if rng.random_range(0..100) < 20 && streams.len() > 1 {
@@ -163,13 +187,15 @@ fn soak<B: TestBackend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Valu
         .collect::<Result<_, _>>()?;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.seconds);
+    let progress = Progress::default();
     let results: Vec<Result<Totals>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..streams.len())
             .map(|me| {
-                let (ctx, streams) = (&ctx, &streams);
-                scope.spawn(move || worker(ctx, streams, me, args, deadline))
+                let (ctx, streams, progress) = (&ctx, &streams, &progress);
+                scope.spawn(move || worker(ctx, streams, me, args, deadline, progress))
             })
             .collect();
+        report_progress(&handles, &progress, started, args.seconds);
         handles
             .into_iter()
             .map(|h| h.join().expect("soak thread panicked"))
@@ -224,19 +250,43 @@ fn soak<B: TestBackend>(backend: Arc<B>, args: &Args) -> Result<serde_json::Valu
     }))
 }
 
-fn main() -> Result<()> {
-    // Logs to stderr as `RUST_LOG` asks (stdout stays the report).
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+/// Says on stderr how far the soak is, every [`PROGRESS_EVERY`], until
+/// every thread has finished.
+fn report_progress<T>(
+    threads: &[std::thread::ScopedJoinHandle<'_, T>],
+    progress: &Progress,
+    started: Instant,
+    seconds: u64,
+) {
+    let mut next = started + PROGRESS_EVERY;
+    while !threads.iter().all(|t| t.is_finished()) {
+        std::thread::sleep(Duration::from_millis(100));
+        if Instant::now() < next {
+            continue;
+        }
+        next += PROGRESS_EVERY;
+        eprintln!(
+            "vmpool-soak: {:.0} s of {seconds}: {} allocations, {} MiB checked",
+            started.elapsed().as_secs_f64(),
+            progress.allocations.load(Ordering::Relaxed),
+            progress.bytes_checked.load(Ordering::Relaxed) / MIB
+        );
+    }
+}
+
+fn main() -> ExitCode {
+    vmpool_tools::init_tracing();
     let args = Args::parse();
-    let report = match args.backend {
-        BackendKind::Host => soak(
+    vmpool_tools::run("vmpool-soak", || soak_main(&args))
+}
+
+fn soak_main(args: &Args) -> Result<()> {
+    let report = match vmpool_tools::open(args.backend)? {
+        None => soak(
             vmm::host::Host::new(vmm::host::HostConfig::default())?,
-            &args,
+            args,
         )?,
-        BackendKind::Cuda => soak(vmm::cuda::Cuda::new()?, &args)?,
+        Some(cuda) => soak(cuda, args)?,
     };
     if args.json {
         println!("{report}");

@@ -7,6 +7,8 @@ use std::process::Command;
 fn a_short_soak_ends_where_it_started() {
     let out = Command::new(env!("CARGO_BIN_EXE_vmpool-soak"))
         .args([
+            "--backend",
+            "host",
             "--seconds",
             "3",
             "--threads",
@@ -30,4 +32,24 @@ fn a_short_soak_ends_where_it_started() {
         "{report}"
     );
     assert_eq!(report["device_free_before"], report["device_free_after"]);
+}
+
+/// Zero threads or zero seconds is not a soak: refused, not reported as a
+/// success.
+#[test]
+fn zero_threads_or_seconds_are_refused() {
+    for args in [["--threads", "0"], ["--seconds", "0"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_vmpool-soak"))
+            .args(["--backend", "host"])
+            .args(args)
+            .output()
+            .expect("running vmpool-soak");
+        assert!(!out.status.success(), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_vmpool-soak"))
+        .arg("--version")
+        .output()
+        .expect("running vmpool-soak");
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("vmpool-soak "));
 }

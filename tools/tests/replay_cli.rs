@@ -15,7 +15,7 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
     .unwrap();
     let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
-            .arg("--json")
+            .args(["--backend", "host", "--json"])
             .args(args)
             .arg(&path)
             .output()
@@ -52,7 +52,7 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
         .contains("no defragmentation"));
     // No pass is not a run.
     let zero = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
-        .args(["--passes", "0"])
+        .args(["--backend", "host", "--passes", "0"])
         .arg(&path)
         .output()
         .unwrap();
@@ -70,7 +70,7 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
     std::fs::write(&path, "a 1 40000000 1\nf 1 1\n").unwrap();
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
-            .arg("--json")
+            .args(["--backend", "host", "--json"])
             .args(args)
             .arg(&path)
             .output()
@@ -91,6 +91,15 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
     assert_eq!(chunks(&[]), 20);
     assert_eq!(chunks(&["--chunk-divisor", &default]), 20);
     assert_eq!(chunks(&["--chunk-divisor", "off"]), 2);
+    // Sizes take units: 16 MiB chunks, or granules below 1 GiB.
+    assert_eq!(
+        chunks(&["--chunk-divisor", "off", "--chunk-size", "16MiB"]),
+        3
+    );
+    assert_eq!(
+        chunks(&["--chunk-divisor", "4", "--granule-growth-below", "1G"]),
+        20
+    );
     let zero = run(&["--chunk-divisor", "0"]);
     assert!(!zero.status.success());
     assert!(
@@ -100,4 +109,62 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
         String::from_utf8_lossy(&zero.stderr)
     );
     std::fs::remove_file(&path).unwrap();
+}
+
+fn replay(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn answers_its_version() {
+    let out = replay(&["--version"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("vmpool-replay "), "{text}");
+}
+
+/// A trace with nothing to replay is an error, said on one line, not a
+/// ratio of NaN.
+#[test]
+fn a_trace_without_allocations_is_an_error() {
+    for (name, text) in [("empty", ""), ("comments", "# a header\n# peak_live 0\n")] {
+        let path = std::env::temp_dir().join(format!("vmpool-{name}-{}.trace", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let out = replay(&["--backend", "host", "--json", path.to_str().unwrap()]);
+        std::fs::remove_file(&path).unwrap();
+        assert!(!out.status.success());
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let errors: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("vmpool-replay:"))
+            .collect();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        assert!(errors[0].contains("no allocation to replay"), "{stderr}");
+    }
+}
+
+/// A truncated gzip trace names its file and its cause once.
+#[test]
+fn a_truncated_trace_says_why_once() {
+    let path = std::env::temp_dir().join(format!("vmpool-cut-{}.trace.gz", std::process::id()));
+    // A gzip header and the start of a deflate stream, then nothing.
+    std::fs::write(&path, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 0x4b]).unwrap();
+    let out = replay(&["--backend", "host", path.to_str().unwrap()]);
+    std::fs::remove_file(&path).unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("vmpool-replay:"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(line.contains("reading the trace"), "{stderr}");
+    assert_eq!(stderr.matches("reading the trace").count(), 1, "{stderr}");
 }

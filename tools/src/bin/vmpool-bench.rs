@@ -1,7 +1,7 @@
 //! Host-side cost of stream-ordered allocation: vmpool side by side with
 //! CUDA's own allocators (on the GPU).
 //!
-//!     vmpool-bench [--backend host|cuda] [--json]
+//!     vmpool-bench [--backend auto|cuda|host] [--json]
 //!
 //! - pair: allocate + free of one size on one stream, memory reused in
 //!   stream order (256 B, 1 MiB, 64 MiB). vmpool versus cuMemAllocAsync /
@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
+use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
@@ -32,9 +33,15 @@ const SIZES: [u64; 3] = [256, 1 << 20, 64 << 20];
 const BATCHES: usize = 31;
 
 #[derive(Parser)]
-#[command(about = "Time stream-ordered alloc + free pairs: vmpool and CUDA's allocators")]
+#[command(
+    name = "vmpool-bench",
+    version,
+    about = "Time stream-ordered alloc + free pairs: vmpool and CUDA's allocators"
+)]
 struct Args {
-    #[arg(long, value_enum, default_value = "host")]
+    /// Where to run: `auto` is the GPU if one can be opened (then CUDA's
+    /// allocators are timed too), else the host backend.
+    #[arg(long, value_enum, default_value = "auto")]
     backend: BackendKind,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -143,20 +150,23 @@ fn bench_cuda_peers(cuda: &Arc<vmm::cuda::Cuda>, figures: &mut Figures) -> Resul
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     vmpool_tools::init_tracing();
     let args = Args::parse();
+    vmpool_tools::run("vmpool-bench", || bench_main(&args))
+}
+
+fn bench_main(args: &Args) -> Result<()> {
     let mut figures = Figures::default();
-    let backend = match args.backend {
-        BackendKind::Host => {
+    let backend = match vmpool_tools::open(args.backend)? {
+        None => {
             bench_vmpool(
                 vmm::host::Host::new(vmm::host::HostConfig::default())?,
                 &mut figures,
             )?;
             "host"
         }
-        BackendKind::Cuda => {
-            let cuda = vmm::cuda::Cuda::new()?;
+        Some(cuda) => {
             bench_vmpool(Arc::clone(&cuda), &mut figures)?;
             bench_cuda_peers(&cuda, &mut figures)?;
             "cuda"

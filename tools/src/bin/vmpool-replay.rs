@@ -1,6 +1,6 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
-//!     vmpool-replay [--backend host|cuda] [--allocator vmpool|cuda-async|cuda-malloc]
+//!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered] [--no-defragment]
 //!                   [--passes N] [--json] TRACE
 //!
@@ -20,6 +20,7 @@
 use std::fs::File;
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +35,7 @@ use vmpool_tools::BackendKind;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum AllocatorKind {
+    /// A vmpool pool, on the backend chosen.
     Vmpool,
     /// CUDA's stream-ordered pool (cuMemAllocAsync), release threshold max.
     CudaAsync,
@@ -59,14 +61,22 @@ fn parse_divisor(s: &str) -> Result<Divisor, String> {
 }
 
 #[derive(Parser)]
-#[command(about = "Replay an allocation trace; report footprint and speed")]
+#[command(
+    name = "vmpool-replay",
+    version,
+    about = "Replay an allocation trace; report footprint and speed"
+)]
 struct Args {
-    #[arg(long, value_enum, default_value = "host")]
+    /// Where to replay: `auto` is the GPU if one can be opened, else the
+    /// host backend.
+    #[arg(long, value_enum, default_value = "auto")]
     backend: BackendKind,
+    /// Which allocator replays the trace; the CUDA ones need a GPU.
     #[arg(long, value_enum, default_value = "vmpool")]
     allocator: AllocatorKind,
-    /// Largest growth chunk, bytes (default: vmpool::DEFAULT_CHUNK_SIZE).
-    #[arg(long)]
+    /// Largest growth chunk, with a unit or in bytes: 32MiB, 2G, 2097152
+    /// (default: vmpool::DEFAULT_CHUNK_SIZE).
+    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes)]
     chunk_size: Option<u64>,
     /// Growth chunks of at most the pool's reserved bytes over N
     /// (`PoolProps::chunk_divisor`), or `off`: every growth uses the
@@ -74,8 +84,9 @@ struct Args {
     #[arg(long, value_name = "N|off", value_parser = parse_divisor, default_value_t = Divisor(Some(vmpool::DEFAULT_CHUNK_DIVISOR)))]
     chunk_divisor: Divisor,
     /// With a divisor, growth chunks of one granule while the pool holds
-    /// fewer bytes than this (`PoolProps::granule_growth_below`).
-    #[arg(long, value_name = "BYTES", default_value_t = vmpool::DEFAULT_GRANULE_GROWTH_BELOW)]
+    /// fewer bytes than this (`PoolProps::granule_growth_below`), with a
+    /// unit or in bytes: 2G, 512MiB, 0.
+    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes, default_value_t = vmpool::DEFAULT_GRANULE_GROWTH_BELOW)]
     granule_growth_below: u64,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
@@ -92,6 +103,8 @@ struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// The allocation trace to replay, gzip'd or plain: one allocation or
+    /// free a line (the format of `vmpool::trace`; see traces/README.md).
     trace: PathBuf,
 }
 
@@ -354,13 +367,23 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize)
     })
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     vmpool_tools::init_tracing();
     let args = Args::parse();
+    vmpool_tools::run("vmpool-replay", || replay_main(&args))
+}
+
+fn replay_main(args: &Args) -> Result<()> {
     let trace = Trace::read(
         File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?,
     )
     .with_context(|| format!("reading {}", args.trace.display()))?;
+    if trace.peak_live == 0 {
+        bail!(
+            "{}: no allocation to replay (the trace is empty or holds only comments)",
+            args.trace.display()
+        );
+    }
     if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
         bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
     }
@@ -375,8 +398,13 @@ fn main() -> Result<()> {
         defragment: !args.no_defragment,
         ..PoolProps::new(DeviceId(0))
     };
-    let report = match (args.backend, args.allocator) {
-        (BackendKind::Host, AllocatorKind::Vmpool) => {
+    if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
+        bail!("the CUDA allocators need a GPU: --backend cuda or auto");
+    }
+    let cuda = vmpool_tools::open(args.backend)?;
+    let backend = if cuda.is_some() { "cuda" } else { "host" };
+    let report = match (cuda, args.allocator) {
+        (None, AllocatorKind::Vmpool) => {
             // A device large enough for the trace: four times its peak.
             let config = vmm::host::HostConfig {
                 memory_per_device: (4 * trace.peak_live as usize)
@@ -392,20 +420,12 @@ fn main() -> Result<()> {
                 passes,
             )?
         }
-        (BackendKind::Cuda, AllocatorKind::Vmpool) => replay_vmpool(
-            vmm::cuda::Cuda::new()?,
-            &trace,
-            &props,
-            args.stream_ordered,
-            passes,
-        )?,
-        (BackendKind::Cuda, AllocatorKind::CudaAsync) => {
-            replay_cuda_async(&vmm::cuda::Cuda::new()?, &trace, passes)?
+        (Some(cuda), AllocatorKind::Vmpool) => {
+            replay_vmpool(cuda, &trace, &props, args.stream_ordered, passes)?
         }
-        (BackendKind::Cuda, AllocatorKind::CudaMalloc) => {
-            replay_cuda_malloc(&vmm::cuda::Cuda::new()?, &trace, passes)?
-        }
-        (BackendKind::Host, _) => bail!("the CUDA allocators need --backend cuda"),
+        (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, passes)?,
+        (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, passes)?,
+        (None, _) => bail!("the CUDA allocators need a GPU, and none could be opened"),
     };
     let ratio = report.peak_reserved as f64 / trace.peak_live as f64;
     let pass_ratios: Vec<f64> = report
@@ -414,10 +434,6 @@ fn main() -> Result<()> {
         .map(|&p| p as f64 / trace.peak_live as f64)
         .collect();
     let ns_per_op = report.nanos as f64 / report.ops as f64;
-    let backend = match args.backend {
-        BackendKind::Host => "host",
-        BackendKind::Cuda => "cuda",
-    };
     let mut allocator = args
         .allocator
         .to_possible_value()
