@@ -6,6 +6,7 @@
 //! remapping] in docs/DESIGN.md).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use vmm::memory::Chunk;
@@ -54,6 +55,8 @@ struct Gathered<B: Backend> {
 /// The parts of a pool that growing and trimming change, borrowed together
 /// under the pool's lock.
 pub(crate) struct Growth<'a, B: Backend> {
+    /// The pool's id, for the logs.
+    pub(crate) pool: u64,
     pub(crate) space: &'a mut Space<B>,
     pub(crate) arenas: &'a mut Arenas,
     pub(crate) guards: &'a mut Guards,
@@ -80,15 +83,8 @@ impl<B: Backend> Growth<'_, B> {
         } else {
             Vec::new()
         };
+        let started = Instant::now();
         let plan = self.plan(arena, size, &free)?;
-        let span = tracing::debug_span!(
-            "grow",
-            size,
-            at = format_args!("{:#x}", plan.target.start),
-            new = plan.len(),
-            extends = plan.target.extends
-        );
-        let _enter = span.enter();
         let gathered = self.gather(&plan.sources, &free)?;
         let sizes: Vec<u64> = gathered.chunks.iter().map(|c| c.size() as u64).collect();
         self.space.map_at(Va(plan.target.start), gathered.chunks)?;
@@ -105,6 +101,22 @@ impl<B: Backend> Growth<'_, B> {
             }
             at += size;
         }
+        // One event per growth; the chunks it created or moved are logged
+        // one by one at trace.
+        let count = |f: fn(&Source) -> bool| plan.sources.iter().filter(|s| f(s)).count();
+        tracing::debug!(
+            pool = self.pool,
+            ?arena,
+            request = size,
+            bytes = plan.len(),
+            at = format_args!("{:#x}", plan.target.start),
+            chunks = plan.sources.len(),
+            created = count(|s| matches!(s, Source::New { .. })),
+            moved = count(|s| matches!(s, Source::Unit { .. })),
+            spare = count(|s| matches!(s, Source::Spare { .. })),
+            took = ?started.elapsed(),
+            "grew"
+        );
         Ok(block)
     }
 
@@ -279,7 +291,7 @@ impl<B: Backend> Growth<'_, B> {
                     seq,
                 };
                 let chunk = Arc::clone(mapping.chunk());
-                tracing::debug!(
+                tracing::trace!(
                     va = format_args!("{va:#x}"),
                     len,
                     stream = until.stream,
@@ -398,8 +410,7 @@ impl<B: Backend> Growth<'_, B> {
         if reserved <= keep {
             return Ok(());
         }
-        let span = tracing::debug_span!("trim", reserved, keep);
-        let _enter = span.enter();
+        let started = Instant::now();
         self.counters.trims += 1;
         // Spare chunks and free units can go, largest first.
         let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
@@ -425,9 +436,20 @@ impl<B: Backend> Growth<'_, B> {
         }
         // The largest spares are the ones counted above.
         self.space.release_largest_spares(spare_count);
+        let unit_count = units.len();
         for m in self.unmap_units(units)? {
             self.space.release(m.chunk);
         }
+        // One event per trim; each chunk released is logged at trace.
+        tracing::debug!(
+            pool = self.pool,
+            keep,
+            chunks = spare_count + unit_count,
+            bytes = reserved - self.space.reserved(),
+            reserved = self.space.reserved(),
+            took = ?started.elapsed(),
+            "trimmed"
+        );
         Ok(())
     }
 }

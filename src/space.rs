@@ -352,7 +352,7 @@ impl<B: Backend> Space<B> {
             .collect();
         for va in passed {
             let alias = self.aliases.remove(&va).expect("listed above");
-            tracing::debug!(
+            tracing::trace!(
                 va = format_args!("{va:#x}"),
                 "unmapping the old place of a moved unit"
             );

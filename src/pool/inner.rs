@@ -73,6 +73,8 @@ pub(super) struct Inner<B: Backend> {
     pub(super) usage: Usage,
     pub(super) release_threshold: u64,
     pub(super) defragment: bool,
+    /// The pool's id, for the logs.
+    pool: u64,
     pub(super) calls: CallCounters,
     pub(super) growth: GrowthCounters,
     /// What sleeping does with the pool's bytes.
@@ -92,6 +94,7 @@ impl<B: Backend> Inner<B> {
         space: Space<B>,
         streams: Streams<B>,
         defragment: bool,
+        pool: u64,
     ) -> Self {
         Self {
             arenas,
@@ -101,6 +104,7 @@ impl<B: Backend> Inner<B> {
             usage: Usage::default(),
             release_threshold: 0,
             defragment,
+            pool,
             calls: CallCounters::default(),
             growth: GrowthCounters::default(),
             retention: Retention::default(),
@@ -118,6 +122,7 @@ impl<B: Backend> Inner<B> {
             guards: &mut self.guards,
             counters: &mut self.growth,
             defragment: self.defragment,
+            pool: self.pool,
         }
     }
 

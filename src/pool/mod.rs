@@ -176,7 +176,7 @@ impl<B: Backend> Pool<B> {
             device,
             backend: Arc::clone(backend),
             shareable,
-            inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment)),
+            inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment, id)),
             siblings: Arc::downgrade(siblings),
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
