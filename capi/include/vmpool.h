@@ -2,30 +2,28 @@
  *
  * A stream-ordered, defragmenting allocator, one pool per device, made on
  * first use. The two allocation functions have the signatures PyTorch's
- * CUDAPluggableAllocator expects. Settings come from the environment, read
- * once, at the first call:
+ * CUDAPluggableAllocator expects.
  *
- *   VMPOOL_RELEASE_THRESHOLD  bytes a pool keeps across vmpool_synchronize
- *                             (default max: keep everything, as PyTorch's
- *                             caching allocator does); 512MiB, 2G, ... or max
- *   VMPOOL_CHUNK_SIZE         largest growth chunk (default 32MiB)
- *   VMPOOL_CHUNK_DIVISOR      growth chunks of at most the pool's reserved
- *                             bytes over this, within one granule and
- *                             VMPOOL_CHUNK_SIZE (default 256; off: every
- *                             growth uses VMPOOL_CHUNK_SIZE)
- *   VMPOOL_GRANULE_GROWTH_BELOW  with a divisor, growth by one-granule
- *                             chunks while the pool holds fewer bytes than
- *                             this (default 2G; 0: the divisor alone)
- *   VMPOOL_LOG                log filter, e.g. info or vmpool=debug
- *                             (default warn; errors are always logged)
- *   VMPOOL_RECORD             path prefix: each pool writes its trace there
- *   VMPOOL_BACKEND            cuda (default) or host (tests without a GPU)
- *   VMPOOL_TIMING             1: time vmpool_alloc and vmpool_free (timed_calls,
- *                             call_nanos, timed_frees and free_nanos in
- *                             vmpool_stats); default 0
+ * Settings, read from the environment at the first call. A bad value of
+ * any of them stops the library: every allocation returns NULL, and the
+ * reason is printed on stderr whatever `VMPOOL_LOG` says. Bytes are a
+ * number with an optional unit (`512MiB`, `2G`, `1.5GiB`; K, M, G, T with
+ * or without `B` or `iB` are powers of 1024) or `max`, as the tools' size
+ * options take them.
  *
- * A bad setting stops the library from starting: every allocation then
- * returns NULL, and the reason is logged.
+ * | variable | meaning | default |
+ * | --- | --- | --- |
+ * | `VMPOOL_RELEASE_THRESHOLD` | bytes a pool keeps across a synchronize | `max` (keep everything, as PyTorch does) |
+ * | `VMPOOL_CHUNK_SIZE` | largest growth chunk, in bytes | `32MiB` |
+ * | `VMPOOL_CHUNK_DIVISOR` | growth chunks of at most the pool's reserved bytes over this, within one granule and `VMPOOL_CHUNK_SIZE`; `off`: whole `VMPOOL_CHUNK_SIZE` chunks | `256` (the Rust library's is 2048) |
+ * | `VMPOOL_GRANULE_GROWTH_BELOW` | with a divisor, grow by one-granule (2 MiB) chunks while the pool holds fewer bytes than this; `0`: the divisor alone | `2G` |
+ * | `VMPOOL_TIMING` | `1`: time every `vmpool_alloc` / `vmpool_free` and report it in `vmpool_stats` (`timed_calls`, `call_nanos`, `timed_frees`, `free_nanos`) | `0` |
+ * | `VMPOOL_LOG` | log filter, to stderr (`info`, `vmpool=debug`, `off`, ...); failures are logged at level error | `warn` |
+ * | `VMPOOL_RECORD` | path prefix: each pool records its trace there, written out by `vmpool_flush_traces` (`vmpool_torch.py` calls it at exit) | off |
+ * | `VMPOOL_BACKEND` | `cuda`, or `host` (memfd chunks; no GPU) for tests | `cuda` |
+ * | `VMPOOL_HOST_DEVICES` | the host backend's devices | `1` |
+ * | `VMPOOL_HOST_MEMORY` | the host backend's memory per device, in bytes | `4G` |
+ * | `VMPOOL_LIB` | where `vmpool_torch.py` finds the library (read by the script only) | beside the script, then `target/release/` |
  *
  * Streams: `stream` is a CUstream / cudaStream_t of the device's primary
  * context (the runtime API's contexts), or 0 for the legacy default stream.
@@ -54,11 +52,14 @@ extern "C" {
 void *vmpool_alloc(ssize_t size, int device, void *stream);
 
 /* Frees `ptr` in stream order on `stream`: the memory is reused once the
- * work queued on `stream` so far has run. `size` is checked against the
- * allocation when not negative. NULL is ignored. A pointer vmpool did not
- * hand out (never, or not any more: a double free, an interior pointer, a
- * pointer of another device) changes nothing, is logged, and is counted in
- * vmpool_stats_t.refused_frees. */
+ * work queued on `stream` so far has run. NULL is ignored. `size`, when not
+ * negative, is compared with the allocation's: another size is logged as a
+ * warning, and the allocation is freed all the same. A pointer vmpool did
+ * not hand out (never, or not any more: a double free, an interior pointer,
+ * a pointer of another device) changes nothing and is counted in
+ * vmpool_stats_t.refused_frees; the first 10 refusals of a device are
+ * logged in full, after them only a count, when the total reaches 100,
+ * 1000, 10000 and so on. */
 void vmpool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Notes that work queued on `stream` (of the pointer's device) may use

@@ -90,6 +90,9 @@ pub struct Config {
     /// backend's devices; default 1 of 4 GiB.
     pub host_devices: u32,
     pub host_memory: u64,
+    /// `VMPOOL_LOG`: the log filter (`tracing_subscriber::EnvFilter`
+    /// directives, such as `info` or `vmpool=debug`); default `warn`.
+    pub log: String,
 }
 
 impl Config {
@@ -140,7 +143,16 @@ impl Config {
                 expected: "a whole number, at least 1, or off",
             })?,
         };
+        let log = lookup("VMPOOL_LOG").unwrap_or_else(|| "warn".to_owned());
+        if tracing_subscriber::EnvFilter::try_new(&log).is_err() {
+            return Err(ConfigError::Other {
+                name: "VMPOOL_LOG",
+                value: log,
+                expected: "a log filter, such as warn, info, off or vmpool=debug",
+            });
+        }
         Ok(Self {
+            log,
             backend,
             release_threshold: bytes("VMPOOL_RELEASE_THRESHOLD", u64::MAX)?,
             chunk_size,
@@ -240,6 +252,52 @@ mod tests {
         assert!(!config(&[("VMPOOL_TIMING", "0")]).unwrap().timing);
         let err = config(&[("VMPOOL_TIMING", "yes")]).unwrap_err();
         assert!(err.to_string().contains("VMPOOL_TIMING"), "{err}");
+    }
+
+    /// The settings table is one: the header's and README's rows are the
+    /// same, and name every variable this module reads.
+    #[test]
+    fn the_header_and_the_readme_have_one_settings_table() {
+        let rows = |text: &str| -> Vec<String> {
+            text.lines()
+                .map(|l| l.trim_start_matches(" * "))
+                .filter(|l| l.starts_with("| `VMPOOL_"))
+                .map(str::to_owned)
+                .collect()
+        };
+        let header = rows(include_str!("../include/vmpool.h"));
+        assert_eq!(header, rows(include_str!("../../README.md")));
+        let source = include_str!("config.rs");
+        let mut read: Vec<&str> = source
+            .split('"')
+            .filter(|w| {
+                w.len() > 7
+                    && w.starts_with("VMPOOL_")
+                    && w[7..].chars().all(|c| c.is_ascii_uppercase() || c == '_')
+            })
+            .collect();
+        read.extend(["VMPOOL_RECORD", "VMPOOL_LIB"]);
+        read.sort();
+        read.dedup();
+        for name in read {
+            let row = format!("| `{name}` |");
+            assert!(
+                header.iter().any(|r| r.starts_with(&row)),
+                "{name} is not in the table"
+            );
+        }
+    }
+
+    #[test]
+    fn log_filter() {
+        assert_eq!(config(&[]).unwrap().log, "warn");
+        for good in ["off", "info", "vmpool=debug,warn"] {
+            assert_eq!(config(&[("VMPOOL_LOG", good)]).unwrap().log, good);
+        }
+        for bad in ["vmpool=loud", "=", "warn,vmpool[x=1"] {
+            let err = config(&[("VMPOOL_LOG", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_LOG"), "{err}");
+        }
     }
 
     #[test]

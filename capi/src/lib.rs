@@ -13,10 +13,13 @@
 //! from the environment ([`config::Config`], README.md's "PyTorch" section).
 //!
 //! A C caller can only get NULL or -1 back, so every failure is logged
-//! (through `tracing`, to stderr, filtered by `VMPOOL_LOG`, default `warn`)
-//! with its reason. A free of a pointer vmpool does not own changes nothing
-//! and is reported; nothing a caller passes is dereferenced. Panics are
-//! caught at this boundary.
+//! with its reason at level error (through `tracing`, to stderr, filtered
+//! by `VMPOOL_LOG`, default `warn`: every filter but `off` shows errors).
+//! A library that cannot start (a bad setting, no driver) says so on
+//! stderr whatever the filter. A free of a pointer vmpool does not own
+//! changes nothing and is counted; the first ones are logged in full, then
+//! only a count (`refusals`). Nothing a caller passes is dereferenced.
+//! Panics are caught at this boundary.
 //!
 //! This file is the only place outside `vmm` with `unsafe` code: the
 //! exported symbols, and wrapping the caller's stream handles
@@ -27,6 +30,7 @@
 
 pub mod config;
 mod pointers;
+mod refusals;
 pub mod shim;
 mod streams;
 
@@ -60,13 +64,17 @@ macro_rules! with_shim {
 
 static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("VMPOOL_LOG")
+/// Logs to stderr through `filter` (`VMPOOL_LOG`, checked by
+/// [`Config`]), in colour only on a terminal.
+fn init_logging(filter: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // The host program may have a subscriber already; then it is used.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -83,8 +91,7 @@ fn borrow<B: Backend>(
     unsafe { backend.borrow_stream(device, handle) }
 }
 
-fn open() -> Result<Global, String> {
-    let config = Config::from_env().map_err(|e| e.to_string())?;
+fn open(config: Config) -> Result<Global, String> {
     let global = match config.backend {
         BackendChoice::Cuda => {
             let cuda = Cuda::new().map_err(|e| e.to_string())?;
@@ -104,19 +111,23 @@ fn open() -> Result<Global, String> {
     Ok(global)
 }
 
-/// The global state, opened on first use; `None` (logged once) when it
-/// could not be opened.
+/// The global state, opened on first use; `None` when it could not be
+/// opened, which is said once on stderr, whatever `VMPOOL_LOG` filters.
 fn global() -> Option<&'static Global> {
     GLOBAL
         .get_or_init(|| {
-            init_logging();
-            let opened = open();
+            let opened = Config::from_env()
+                .map_err(|e| e.to_string())
+                .and_then(|config| {
+                    init_logging(&config.log);
+                    open(config)
+                });
             match &opened {
                 Ok(g) => {
                     let config = with_shim!(g, s => s.config().clone());
                     tracing::info!(?config, "vmpool: ready");
                 }
-                Err(err) => tracing::error!("vmpool: cannot start: {err}"),
+                Err(err) => eprintln!("vmpool: cannot start: {err}"),
             }
             opened
         })
@@ -132,6 +143,8 @@ fn call<T>(call: &str, failed: T, f: impl FnOnce(&Global) -> Result<T, CallError
     };
     match catch_unwind(AssertUnwindSafe(|| f(global))) {
         Ok(Ok(value)) => value,
+        // Counted, and said in a later count (`refusals`).
+        Ok(Err(CallError::Unlogged)) => failed,
         Ok(Err(err)) => {
             tracing::error!("vmpool: {call}: {err}");
             failed
@@ -155,7 +168,10 @@ pub extern "C" fn vmpool_alloc(size: isize, device: c_int, stream: *mut c_void) 
 }
 
 /// Frees `ptr` in stream order on `stream` (PyTorch's `free_fn`). NULL is
-/// ignored; a pointer vmpool did not hand out is refused and logged.
+/// ignored; a pointer vmpool did not hand out is refused, counted and
+/// logged (the first ones in full, then a count). A `size` other than the
+/// allocation's, when not negative, is logged as a warning and the
+/// allocation is freed all the same.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
     call(

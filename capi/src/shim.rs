@@ -40,6 +40,7 @@ use vmpool::{
 
 use crate::config::Config;
 use crate::pointers::{DeferredFree, Live, PointerTable};
+use crate::refusals::{Refusals, Say};
 pub use crate::streams::Borrow;
 use crate::streams::StreamTable;
 
@@ -53,6 +54,19 @@ pub enum CallError {
     Size(i64),
     #[error("free of {ptr:#x} on device {device}: {why}")]
     NotOurs { ptr: u64, device: u32, why: String },
+    /// Refused frees past the first ones, as a count (`refusals.rs`).
+    #[error(
+        "{more} more refused frees on device {device} ({total} in all; the next count at {next})"
+    )]
+    RefusedFrees {
+        device: u32,
+        more: u64,
+        total: u64,
+        next: u64,
+    },
+    /// A refused free counted but not logged: a later count says it.
+    #[error("a refused free, counted")]
+    Unlogged,
     #[error("{ptr:#x} is not a live allocation of vmpool's on any device")]
     NotLive { ptr: u64 },
     #[error(transparent)]
@@ -124,7 +138,7 @@ struct Device<B: Backend> {
     /// serves again at once, without a driver call to create it.
     idle_events: Mutex<Vec<Event<B>>>,
     /// Frees refused: pointers vmpool did not hand out (or not any more).
-    refused_frees: AtomicU64,
+    refused_frees: Refusals,
     /// With `VMPOOL_TIMING=1`: allocations and frees timed, and their
     /// time; and of those, the frees.
     timed_calls: AtomicU64,
@@ -196,7 +210,7 @@ impl<B: Backend> Shim<B> {
                 creating: Mutex::new(()),
                 idle_events: Mutex::default(),
                 deferred_frees: Mutex::default(),
-                refused_frees: AtomicU64::new(0),
+                refused_frees: Refusals::default(),
                 timed_calls: AtomicU64::new(0),
                 call_nanos: AtomicU64::new(0),
                 timed_frees: AtomicU64::new(0),
@@ -424,12 +438,7 @@ impl<B: Backend> Shim<B> {
         stream: usize,
     ) -> Result<(), CallError> {
         let Some(live) = dev.live.remove(ptr) else {
-            dev.refused_frees.fetch_add(1, Ordering::Relaxed);
-            return Err(CallError::NotOurs {
-                ptr,
-                device: dev.id.0,
-                why: self.why_not_ours(ptr, dev),
-            });
+            return Err(self.refuse(dev, ptr));
         };
         if size >= 0 && size as u64 != live.allocation.size() {
             tracing::warn!(
@@ -538,6 +547,29 @@ impl<B: Backend> Shim<B> {
         Ok(())
     }
 
+    /// Counts a refused free of `ptr` and says what to log: the first
+    /// ones in full, then a count now and then (`refusals.rs`).
+    #[cold]
+    fn refuse(&self, dev: &Device<B>, ptr: u64) -> CallError {
+        let device = dev.id.0;
+        match dev.refused_frees.count() {
+            Say::InFull { last } => {
+                let mut why = self.why_not_ours(ptr, dev);
+                if last {
+                    why += "; later refused frees are counted, and logged as counts";
+                }
+                CallError::NotOurs { ptr, device, why }
+            }
+            Say::Count { more, total } => CallError::RefusedFrees {
+                device,
+                more,
+                total,
+                next: total.saturating_mul(10),
+            },
+            Say::Nothing => CallError::Unlogged,
+        }
+    }
+
     /// Why `ptr` is not a live allocation of `dev`, as precisely as the
     /// tables tell (the cold path of a refused free).
     fn why_not_ours(&self, ptr: u64, dev: &Device<B>) -> String {
@@ -626,7 +658,7 @@ impl<B: Backend> Shim<B> {
         let dev = self.device(device)?;
         let graphs = dev.graphs.stats();
         let calls = Figures {
-            refused_frees: dev.refused_frees.load(Ordering::Relaxed),
+            refused_frees: dev.refused_frees.total(),
             timed_calls: dev.timed_calls.load(Ordering::Relaxed),
             call_nanos: dev.call_nanos.load(Ordering::Relaxed),
             timed_frees: dev.timed_frees.load(Ordering::Relaxed),

@@ -252,3 +252,60 @@ fn a_devices_hot_fields_are_on_its_first_two_lines() {
         assert!(end <= 128 && start / 64 == (end - 1) / 64, "{hot:?}");
     }
 }
+
+/// Two threads freeing the same pointers over and over: every refusal is
+/// counted, the first ten are errors in full, and after them only a count
+/// at each power of ten is one; the rest are not logged.
+#[test]
+fn repeated_refused_frees_are_counted_not_each_logged() {
+    let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+    let shim = Shim::new(host, config(&[]).unwrap(), odd_handles_only).unwrap();
+    let ptrs: Vec<u64> = (0..500).map(|_| shim.alloc(4096, 0, 1).unwrap()).collect();
+    for &p in &ptrs {
+        shim.free(p, 4096, 0, 1).unwrap();
+    }
+    let errors: Vec<CallError> = std::thread::scope(|scope| {
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..2)
+                        .flat_map(|_| ptrs.iter().map(|&p| shim.free(p, 4096, 0, 1).unwrap_err()))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        racers.into_iter().flat_map(|r| r.join().unwrap()).collect()
+    });
+    assert_eq!(errors.len(), 2_000);
+    assert_eq!(shim.figures(0).unwrap().refused_frees, 2_000);
+    let in_full: Vec<&CallError> = errors
+        .iter()
+        .filter(|e| matches!(e, CallError::NotOurs { .. }))
+        .collect();
+    assert_eq!(in_full.len(), 10);
+    assert_eq!(
+        in_full
+            .iter()
+            .filter(|e| e.to_string().contains("later refused frees are counted"))
+            .count(),
+        1
+    );
+    let mut counts: Vec<String> = errors
+        .iter()
+        .filter(|e| matches!(e, CallError::RefusedFrees { .. }))
+        .map(ToString::to_string)
+        .collect();
+    counts.sort();
+    assert_eq!(
+        counts,
+        [
+            "90 more refused frees on device 0 (100 in all; the next count at 1000)",
+            "900 more refused frees on device 0 (1000 in all; the next count at 10000)",
+        ]
+    );
+    let unlogged = errors
+        .iter()
+        .filter(|e| matches!(e, CallError::Unlogged))
+        .count();
+    assert_eq!(unlogged, 2_000 - 10 - 2);
+}
