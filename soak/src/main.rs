@@ -21,7 +21,7 @@ use rand::{RngExt, SeedableRng};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, DeviceId};
 use vmpool::{Allocation, Context, PoolAttribute, Stream};
-use vmpool_tools::BackendKind;
+use vmpool_tools::{BackendKind, Bytes};
 
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
@@ -52,8 +52,8 @@ struct Args {
     threads: u64,
     /// Live bytes each thread may hold at most, with a unit or in bytes:
     /// 512MiB, 1G.
-    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes, default_value_t = 512 * MIB)]
-    live_per_thread: u64,
+    #[arg(long, value_name = "BYTES", default_value_t = Bytes(512 * MIB))]
+    live_per_thread: Bytes,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -134,7 +134,7 @@ fn worker<B: TestBackend>(
     let mut serial = 0u32;
     while Instant::now() < deadline {
         let size = trace_like_size(&mut rng);
-        if live_bytes + size <= args.live_per_thread && rng.random_range(0..100) < 55 {
+        if live_bytes + size <= args.live_per_thread.0 && rng.random_range(0..100) < 55 {
             let a = ctx.alloc_async(size, s)?;
             serial += 1;
             let value = ((me as u32) << 24) | (serial & 0xFF_FFFF);

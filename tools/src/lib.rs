@@ -51,10 +51,30 @@ pub fn init_tracing() {
         .init();
 }
 
-/// A size option's value (`--chunk-size 1GiB`): [`vmpool::parse_bytes`], the
-/// parser the C layer's settings use too.
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    vmpool::parse_bytes(text)
+/// A size option's value (`--chunk-size 1GiB`), read by
+/// [`vmpool::parse_bytes`], the parser the C layer's settings use too, and
+/// shown in the largest binary unit that divides it (a default of `2GiB`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl std::str::FromStr for Bytes {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        vmpool::parse_bytes(text).map(Bytes)
+    }
+}
+
+impl std::fmt::Display for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+        match units
+            .iter()
+            .find(|&&(shift, _)| self.0 != 0 && self.0 % (1 << shift) == 0)
+        {
+            Some(&(shift, unit)) => write!(f, "{}{unit}", self.0 >> shift),
+            None => write!(f, "{}", self.0),
+        }
+    }
 }
 
 /// `err` and its causes on one line, each said once: a cause whose text
@@ -89,6 +109,19 @@ pub fn run(tool: &str, main: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_show_in_the_largest_unit_and_read_back() {
+        for (bytes, text) in [
+            (2 << 30, "2GiB"),
+            (3 << 19, "1536KiB"),
+            (4095, "4095"),
+            (0, "0"),
+        ] {
+            assert_eq!(Bytes(bytes).to_string(), text);
+            assert_eq!(text.parse::<Bytes>(), Ok(Bytes(bytes)));
+        }
+    }
 
     #[test]
     fn a_cause_already_in_the_message_is_said_once() {

@@ -31,7 +31,7 @@ use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-use vmpool_tools::BackendKind;
+use vmpool_tools::{BackendKind, Bytes};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum AllocatorKind {
@@ -75,9 +75,9 @@ struct Args {
     #[arg(long, value_enum, default_value = "vmpool")]
     allocator: AllocatorKind,
     /// Largest growth chunk, with a unit or in bytes: 32MiB, 2G, 2097152
-    /// (default: vmpool::DEFAULT_CHUNK_SIZE).
-    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes)]
-    chunk_size: Option<u64>,
+    /// (default: 32MiB, vmpool::DEFAULT_CHUNK_SIZE).
+    #[arg(long, value_name = "BYTES")]
+    chunk_size: Option<Bytes>,
     /// Growth chunks of at most the pool's reserved bytes over N
     /// (`PoolProps::chunk_divisor`), or `off`: every growth uses the
     /// largest chunk.
@@ -86,8 +86,8 @@ struct Args {
     /// With a divisor, growth chunks of one granule while the pool holds
     /// fewer bytes than this (`PoolProps::granule_growth_below`), with a
     /// unit or in bytes: 2G, 512MiB, 0.
-    #[arg(long, value_name = "BYTES", value_parser = vmpool_tools::parse_bytes, default_value_t = vmpool::DEFAULT_GRANULE_GROWTH_BELOW)]
-    granule_growth_below: u64,
+    #[arg(long, value_name = "BYTES", default_value_t = Bytes(vmpool::DEFAULT_GRANULE_GROWTH_BELOW))]
+    granule_growth_below: Bytes,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -392,9 +392,9 @@ fn replay_main(args: &Args) -> Result<()> {
     }
     let passes = args.passes as usize;
     let props = PoolProps {
-        chunk_size: args.chunk_size,
+        chunk_size: args.chunk_size.map(|b| b.0),
         chunk_divisor: args.chunk_divisor.0,
-        granule_growth_below: args.granule_growth_below,
+        granule_growth_below: args.granule_growth_below.0,
         defragment: !args.no_defragment,
         ..PoolProps::new(DeviceId(0))
     };
