@@ -41,7 +41,7 @@ SETTINGS = ([], ["--chunk-divisor", "off"], ["--chunk-divisor", "256"])
 
 
 def replay(binary, trace, mode, passes, setting):
-    cmd = [binary, "--json", "--passes", str(passes), *setting, *mode, trace]
+    cmd = [binary, "--backend", "host", "--json", "--passes", str(passes), *setting, *mode, trace]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}")

@@ -41,7 +41,7 @@ def variants(trace, outdir):
 
 
 def replay(binary, trace, stream_ordered, passes, options):
-    cmd = [binary, "--json", "--passes", str(passes), *options]
+    cmd = [binary, "--backend", "host", "--json", "--passes", str(passes), *options]
     if stream_ordered:
         cmd.append("--stream-ordered")
     out = subprocess.run([*cmd, trace], capture_output=True, text=True)
