@@ -5,8 +5,8 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [torch] [record-stream] [graphs] [limits] [stats] [c-calls] [multi]
-#   (default: all but soak, torch, record-stream, graphs, limits, stats, c-calls and multi;
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [c-calls] [multi]
+#   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
@@ -23,6 +23,10 @@
 #
 # stats: scripts/torch_stats.py, whether PyTorch's memory statistics
 # (torch.cuda.memory_allocated() and the rest) report vmpool's figures.
+#
+# sleep: examples/sleep_wake.rs, a pool keeping SLEEP_GIB GiB (default
+# 1,10,40) put to sleep and woken, timed beside the page-locked copy
+# bandwidth, every kept byte checked.
 #
 # c-calls: capi/examples/c_calls.rs on the generation trace, what a call
 # through vmpool_alloc / vmpool_free costs, without and with VMPOOL_TIMING
@@ -76,7 +80,7 @@ for job in $jobs; do
     case $job in
     tests) parts=tests ;;
     multi) parts="tests examples" ;;
-    examples) parts=examples ;;
+    examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
     torch | record-stream | graphs | limits | stats) parts=torch ;;
@@ -109,9 +113,14 @@ for job in $jobs; do
         for exe in "$here"/examples/*; do
             # Needs two GPUs: the multi job runs it.
             [ "$(basename "$exe")" = peer_access ] && continue
+            # Timed at 1, 10 and 40 GiB: the sleep job runs it.
+            [ "$(basename "$exe")" = sleep_wake ] && continue
             run "example $(basename "$exe")" "$exe"
         done
         popd >/dev/null || exit 1
+        ;;
+    sleep)
+        run "sleep and wake" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}"
         ;;
     bench)
         run "bench" "$here/bin/vmpool-bench" --backend cuda

@@ -106,7 +106,6 @@ impl<B: Backend> Pool<B> {
     pub fn is_asleep(&self) -> bool {
         self.0.asleep.load(Ordering::Acquire)
     }
-
 }
 
 /// A sleeping pool's state: its kept bytes and where its units were.
