@@ -110,6 +110,25 @@ int vmpool_trim(int device, uint64_t keep);
  * graphs' pools keep theirs. Failures are logged. */
 void vmpool_empty_cache(void);
 
+/* What vmpool_sleep at level 1 does with each device pool's bytes:
+ * `keep` non-zero keeps them in host memory until vmpool_wake, zero (the
+ * default) drops them. 0 / -1 (logged). */
+int vmpool_set_retention(int keep);
+
+/* Gives every device pool's memory back while every pointer into it stays
+ * valid: level 1 keeps the bytes of pools whose retention keeps them, level
+ * 2 keeps nothing. Waits for the streams vmpool has seen first. Until
+ * vmpool_wake, allocations return NULL and frees are refused (logged); work
+ * that touches the memory faults. CUDA graphs' pools stay awake. Refused
+ * during a graph capture. 0 / -1 (logged). */
+int vmpool_sleep(int level);
+
+/* Maps every sleeping pool's memory back at the same addresses and copies
+ * the kept bytes back. A pool the device lacks memory for stays asleep,
+ * its bytes on the host, to be woken again (the log says how many bytes it
+ * needs). 0 / -1 (logged). */
+int vmpool_wake(void);
+
 /* Limits the device's pool to `fraction` (in (0, 1]) of the device's
  * memory: growth past it fails as out of memory; what the pool holds above
  * it stays until freed and trimmed. CUDA graphs' pools are not limited.

@@ -28,6 +28,7 @@
 //! `pointers` and `streams`; graph pools are the library's
 //! ([`vmpool::GraphPools`]).
 
+mod call_error;
 pub mod config;
 mod pointers;
 mod refusals;
@@ -283,6 +284,42 @@ pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_empty_cache() {
     call("empty_cache", (), |g| with_shim!(g, s => s.empty_cache()));
+}
+
+/// What [`vmpool_sleep`] at level 1 does with each device pool's bytes:
+/// `keep` non-zero keeps them in host memory until [`vmpool_wake`], zero
+/// (the default) drops them. 0, or -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_set_retention(keep: c_int) -> c_int {
+    call(
+        "set_retention",
+        -1,
+        |g| with_shim!(g, s => s.set_retention(keep != 0).map(|()| 0)),
+    )
+}
+
+/// Gives every device pool's memory back, every pointer into it staying
+/// valid: level 1 keeps the bytes of pools whose retention keeps them
+/// ([`vmpool_set_retention`]), level 2 keeps nothing. Waits for the
+/// streams vmpool has seen first. Until [`vmpool_wake`], allocations
+/// return NULL and frees are refused (logged). Graph pools stay awake. 0,
+/// or -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_sleep(level: c_int) -> c_int {
+    call(
+        "sleep",
+        -1,
+        |g| with_shim!(g, s => s.sleep(i64::from(level)).map(|()| 0)),
+    )
+}
+
+/// Brings the memory of every sleeping device pool back at the same
+/// addresses, the kept bytes restored. A pool the device lacks memory for
+/// stays asleep, its bytes on the host, to be woken again (the log says
+/// how many bytes it needs). 0, or -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_wake() -> c_int {
+    call("wake", -1, |g| with_shim!(g, s => s.wake().map(|()| 0)))
 }
 
 /// Limits `device`'s pool to `fraction` (in (0, 1]) of the device's memory:

@@ -34,79 +34,16 @@ use std::time::Instant;
 
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{
-    Closed, Context, Event, GraphAllocation, GraphPoolError, GraphPoolId, GraphPools, Pool,
-    PoolAttribute, PoolProps, PoolStats, Stream,
+    Closed, Context, Event, GraphAllocation, GraphPoolId, GraphPools, Pool, PoolAttribute,
+    PoolProps, PoolStats, Stream,
 };
 
+pub use crate::call_error::CallError;
 use crate::config::Config;
 use crate::pointers::{DeferredFree, Live, PointerTable};
 use crate::refusals::{Refusals, Say};
 pub use crate::streams::Borrow;
 use crate::streams::StreamTable;
-
-/// Why a call did nothing. Logged by the C layer, which can only return
-/// NULL or -1.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    #[error("device {0} does not exist")]
-    NoDevice(i64),
-    #[error("invalid size {0}")]
-    Size(i64),
-    #[error("free of {ptr:#x} on device {device}: {why}")]
-    NotOurs { ptr: u64, device: u32, why: String },
-    /// Refused frees past the first ones, as a count (`refusals.rs`).
-    #[error(
-        "{more} more refused frees on device {device} ({total} in all; the next count at {next})"
-    )]
-    RefusedFrees {
-        device: u32,
-        more: u64,
-        total: u64,
-        next: u64,
-    },
-    /// A refused free counted but not logged: a later count says it.
-    #[error("a refused free, counted")]
-    Unlogged,
-    #[error("{ptr:#x} is not a live allocation of vmpool's on any device")]
-    NotLive { ptr: u64 },
-    #[error(transparent)]
-    Vmpool(#[from] vmpool::Error),
-    #[error("writing the allocation trace: {0}")]
-    Trace(std::io::Error),
-    #[error(
-        "an allocation on a capturing stream while {open} graph pools are open on device {device}: \
-         vmpool cannot tell which capture it belongs to (one capture at a time per device)"
-    )]
-    WhichCapture { device: u32, open: usize },
-    #[error("memory fraction {0}: not in (0, 1]")]
-    Fraction(f64),
-    #[error("graph pool {id} on device {device}: {why}")]
-    GraphPool {
-        device: u32,
-        id: GraphPoolId,
-        why: &'static str,
-    },
-    /// A graph pool refusal the other variants do not name.
-    #[error("graph pools of device {device}: {source}")]
-    GraphPools { device: u32, source: GraphPoolError },
-}
-
-impl CallError {
-    /// `err` of `device`'s graph pools, in the C layer's words.
-    fn graph(device: DeviceId, err: GraphPoolError) -> Self {
-        let device = device.0;
-        let pool = |id, why| CallError::GraphPool { device, id, why };
-        match err {
-            GraphPoolError::AlreadyOpen(id) => pool(id, "opened twice"),
-            GraphPoolError::NotOpen(id) => pool(id, "closed but not open"),
-            GraphPoolError::NotInUse(id) => pool(id, "released more often than opened"),
-            GraphPoolError::NoSuchPool(id) => pool(id, "it does not exist"),
-            GraphPoolError::WhichCapture { open } => CallError::WhichCapture { device, open },
-            GraphPoolError::Pool(err) => CallError::Vmpool(err),
-            source => CallError::GraphPools { device, source },
-        }
-    }
-}
 
 /// `repr(C)` and aligned to a cache line: what every call reads (the pool,
 /// the live table, whether a graph pool is open, the stream table) comes
@@ -695,5 +632,6 @@ impl<B: Backend> Shim<B> {
     }
 }
 
+mod sleep;
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,75 @@
+//! Sleep and wake for the C layer: every device's pool gives its memory
+//! back and brings it back at the same addresses (`Pool::sleep`, Note
+//! [Sleep and wake] in docs/DESIGN.md). Graph pools stay awake: their
+//! memory is what captured graphs replay into, and PyTorch keeps it.
+
+use vmpool::vmm::Backend;
+use vmpool::{Retention, SleepLevel};
+
+use super::{CallError, Shim};
+
+impl<B: Backend> Shim<B> {
+    /// What sleeping at level 1 does with each device pool's bytes: kept
+    /// in host memory (`keep`) or dropped. The pools are made if need be.
+    pub fn set_retention(&self, keep: bool) -> Result<(), CallError> {
+        let retention = if keep {
+            Retention::Keep
+        } else {
+            Retention::Discard
+        };
+        for dev in &self.devices {
+            self.pool(dev)?.set_retention(retention);
+        }
+        Ok(())
+    }
+
+    /// Puts every device's pool to sleep: level 1 keeps the bytes of the
+    /// pools whose retention keeps them, level 2 keeps nothing. Waits for
+    /// every stream vmpool has seen first. Refused while a graph capture
+    /// is under way; a device whose sleep fails leaves the ones before it
+    /// asleep, and the error says which.
+    pub fn sleep(&self, level: i64) -> Result<(), CallError> {
+        let level = match level {
+            1 => SleepLevel::KeepTagged,
+            2 => SleepLevel::DiscardAll,
+            _ => return Err(CallError::SleepLevel(level)),
+        };
+        for dev in &self.devices {
+            let Some(pool) = dev.pool.get() else {
+                continue;
+            };
+            if dev.graphs.any_open() {
+                return Err(CallError::Vmpool(vmpool::Error::SleepDuringCapture));
+            }
+            self.wait_and_forget_streams(dev)?;
+            let stream = self.context.create_stream(dev.id)?;
+            let report = pool.sleep(level, &stream)?;
+            tracing::info!(
+                device = dev.id.0,
+                kept = report.kept_bytes,
+                released = report.released_bytes,
+                "vmpool: asleep"
+            );
+        }
+        Ok(())
+    }
+
+    /// Wakes every device's pool that sleeps; one that lacks memory stays
+    /// asleep, its bytes on the host, and the error says how much.
+    pub fn wake(&self) -> Result<(), CallError> {
+        for dev in &self.devices {
+            let Some(pool) = dev.pool.get().filter(|p| p.is_asleep()) else {
+                continue;
+            };
+            let stream = self.context.create_stream(dev.id)?;
+            let report = pool.wake(&stream)?;
+            tracing::info!(
+                device = dev.id.0,
+                restored = report.restored_bytes,
+                mapped = report.mapped_bytes,
+                "vmpool: awake"
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,72 @@
+//! `vmpool_sleep` and `vmpool_wake` as a C caller calls them, on the host
+//! backend, in a process of their own: a sleep affects every device's
+//! pool, which the other C tests share.
+
+use std::ffi::c_void;
+
+use vmpool_c::{
+    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_set_retention, vmpool_sleep, vmpool_stats,
+    vmpool_wake,
+};
+
+const MIB: usize = 1 << 20;
+
+/// An opaque stream handle (the host backend keeps one stream per value).
+fn stream() -> *mut c_void {
+    std::ptr::without_provenance_mut(1)
+}
+
+fn fill(p: *mut c_void, len: usize, byte: u8) {
+    // SAFETY: `p` is a live allocation of `len` bytes from vmpool_alloc on
+    // the host backend, whose memory is this process's own, mapped
+    // read-write for device 0 while the pool is awake; nothing else
+    // touches it during the call.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), byte, len) }
+}
+
+fn all(p: *mut c_void, len: usize, byte: u8) -> bool {
+    // SAFETY: as in `fill`, reading.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
+    bytes.iter().all(|&b| b == byte)
+}
+
+#[test]
+fn sleep_and_wake_through_the_c_functions() {
+    std::env::set_var("VMPOOL_BACKEND", "host");
+    std::env::set_var("VMPOOL_HOST_DEVICES", "1");
+    std::env::set_var("VMPOOL_HOST_MEMORY", "1GiB");
+    assert!(!vmpool_backend().is_null());
+    assert_eq!(vmpool_set_retention(1), 0);
+    let a = vmpool_alloc(4 * MIB as isize, 0, stream());
+    let b = vmpool_alloc(300 * 1024, 0, stream());
+    assert!(!a.is_null() && !b.is_null());
+    fill(a, 4 * MIB, 0xA5);
+    fill(b, 300 * 1024, 0x3C);
+    let awake = vmpool_stats(0);
+    assert!(awake.reserved_bytes > 0);
+
+    assert_eq!(vmpool_sleep(1), 0);
+    assert_eq!(vmpool_stats(0).reserved_bytes, 0, "every chunk released");
+    assert!(
+        vmpool_alloc(MIB as isize, 0, stream()).is_null(),
+        "asleep, nothing is allocated"
+    );
+    assert_eq!(vmpool_sleep(1), -1, "asleep already");
+    assert_eq!(vmpool_wake(), 0);
+    assert_eq!(vmpool_stats(0).reserved_bytes, awake.reserved_bytes);
+    assert!(
+        all(a, 4 * MIB, 0xA5) && all(b, 300 * 1024, 0x3C),
+        "kept bytes back"
+    );
+
+    // Level 2 keeps nothing, but the memory comes back where it was.
+    assert_eq!(vmpool_sleep(2), 0);
+    assert_eq!(vmpool_wake(), 0);
+    fill(a, 4 * MIB, 0x11);
+    assert!(all(a, 4 * MIB, 0x11));
+
+    assert_eq!(vmpool_sleep(3), -1, "no such level");
+    vmpool_free(a, 4 * MIB as isize, 0, stream());
+    vmpool_free(b, 300 * 1024, 0, stream());
+    assert_eq!(vmpool_stats(0).used_bytes, 0);
+}
