@@ -165,12 +165,27 @@ vmpool_stats_t vmpool_stats(int device);
 /* Writes the pool's address-space map to stderr. 0 / -1. */
 int vmpool_print_snapshot(int device);
 
+/* The same map, copied into `buf` (at most len - 1 bytes and a NUL).
+ * Returns the map's full length without the NUL (call again with a larger
+ * buffer when it is not less than `len`), 0 when the device has no pool
+ * yet, -1 on failure. `buf` may be NULL when `len` is 0. */
+ssize_t vmpool_snapshot(int device, char *buf, size_t len);
+
 /* Writes out the allocation traces being recorded (VMPOOL_RECORD); the
  * pools live until the process ends, so call it before exiting. 0 / -1. */
 int vmpool_flush_traces(void);
 
 /* "cuda", "host", or "none" when the library could not start. */
 const char *vmpool_backend(void);
+
+/* The library's version ("0.1.0"), the layout of what crosses this
+ * interface by value (bumped when a struct or a signature changes), and
+ * sizeof(vmpool_stats_t) as built: a caller that mirrors the structs (the
+ * Python package) checks them before anything else and refuses a library
+ * built for another layout. None of them starts the library. */
+const char *vmpool_version(void);
+uint32_t vmpool_abi(void);
+size_t vmpool_stats_size(void);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,7 @@
 //! [`vmpool_release_pool`] around CUDA graph captures;
 //! [`vmpool_empty_cache`] and [`vmpool_set_memory_fraction`] for
 //! `torch.cuda.empty_cache` and `set_per_process_memory_fraction`
-//! (`scripts/vmpool_torch.py` does the set-up). Each device gets one
+//! (the Python package `python/vmpool` does the set-up). Each device gets one
 //! stream-ordered vmpool pool on first use, and each graph-pool id one of
 //! its own; the caller's streams become vmpool streams; configuration comes
 //! from the environment ([`config::Config`], README.md's "PyTorch" section).
@@ -279,7 +279,7 @@ pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
 /// Returns every device's unused memory: waits for the streams vmpool has
 /// seen (and forgets them, as [`vmpool_synchronize`] does), then trims
 /// each device's pool to nothing unused (PyTorch's
-/// `torch.cuda.empty_cache`, which `vmpool_torch.install` hooks). Graph
+/// `torch.cuda.empty_cache`, which `vmpool.torch.install` hooks). Graph
 /// pools keep theirs for their graphs. Failures are logged.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_empty_cache() {
@@ -325,7 +325,7 @@ pub extern "C" fn vmpool_wake() -> c_int {
 /// Limits `device`'s pool to `fraction` (in (0, 1]) of the device's memory:
 /// growth past it fails as out of memory (PyTorch's
 /// `torch.cuda.set_per_process_memory_fraction`, which
-/// `vmpool_torch.install` hooks). A bad fraction is logged and changes
+/// `vmpool.torch.install` hooks). A bad fraction is logged and changes
 /// nothing.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_set_memory_fraction(fraction: f64, device: c_int) {
@@ -462,9 +462,35 @@ pub extern "C" fn vmpool_print_snapshot(device: c_int) -> c_int {
     })
 }
 
+/// Copies the pool's address-space dump (what [`vmpool_print_snapshot`]
+/// writes) into `buf`, at most `len - 1` bytes and a NUL, so that a caller
+/// can show it where it likes. Returns the dump's full length in bytes
+/// (without the NUL: call again with a larger buffer when it is not less
+/// than `len`), 0 when the device has no pool yet, -1 on failure (logged).
+/// `buf` may be NULL when `len` is 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_snapshot(device: c_int, buf: *mut std::ffi::c_char, len: usize) -> isize {
+    let dump = call("snapshot", None, |g| {
+        with_shim!(g, s => s.snapshot(i64::from(device))).map(|dump| Some(dump.unwrap_or_default()))
+    });
+    let Some(dump) = dump else {
+        return -1;
+    };
+    let bytes = dump.as_bytes();
+    if !buf.is_null() && len > 0 {
+        let n = bytes.len().min(len - 1);
+        // SAFETY: vmpool.h's contract: `buf` points to `len` writable
+        // bytes that nothing else uses during the call; `n + 1 <= len`.
+        let out = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), n + 1) };
+        out[..n].copy_from_slice(&bytes[..n]);
+        out[n] = 0;
+    }
+    isize::try_from(bytes.len()).unwrap_or(isize::MAX)
+}
+
 /// Writes out the allocation traces being recorded (`VMPOOL_RECORD`): the
 /// library's pools live until the process ends, so a caller that records
-/// calls this before exiting (vmpool_torch does, at exit). 0 / -1.
+/// calls this before exiting (the Python package does, at exit). 0 / -1.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_flush_traces() -> c_int {
     call(
@@ -489,4 +515,39 @@ pub fn backend() -> &'static std::ffi::CStr {
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_backend() -> *const std::ffi::c_char {
     backend().as_ptr()
+}
+
+/// The library's version, the package's (`capi/Cargo.toml`), as a C
+/// string: the Python package refuses a library of another version.
+pub const VERSION: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes(),
+) {
+    Ok(version) => version,
+    Err(_) => panic!("the package version has a NUL byte"),
+};
+
+/// The layout of what crosses this interface by value: bumped whenever a
+/// struct's fields or a function's signature change, so that a caller
+/// built for another layout can refuse the library instead of misreading
+/// it.
+pub const ABI: u32 = 1;
+
+/// [`VERSION`], a static C string; loads nothing (the library need not
+/// start for a caller to check it).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_version() -> *const std::ffi::c_char {
+    VERSION.as_ptr()
+}
+
+/// [`ABI`].
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_abi() -> u32 {
+    ABI
+}
+
+/// The size of `vmpool_stats_t` ([`VmpoolStats`]) in bytes, for callers
+/// that mirror the struct (the Python package's ctypes fields).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_stats_size() -> usize {
+    std::mem::size_of::<VmpoolStats>()
 }

@@ -11,8 +11,9 @@ use std::thread;
 use vmpool_c::{
     vmpool_alloc, vmpool_backend, vmpool_begin_allocate_to_pool, vmpool_empty_cache,
     vmpool_end_allocate_to_pool, vmpool_free, vmpool_record_stream, vmpool_release_pool,
-    vmpool_reset_peaks, vmpool_set_memory_fraction, vmpool_stats, vmpool_synchronize, vmpool_trim,
-    VmpoolMempoolId, VmpoolStats,
+    vmpool_reset_peaks, vmpool_set_memory_fraction, vmpool_snapshot, vmpool_stats,
+    vmpool_stats_size, vmpool_synchronize, vmpool_trim, vmpool_version, VmpoolMempoolId,
+    VmpoolStats,
 };
 
 /// Selects the host backend before the library's first call reads the
@@ -151,6 +152,18 @@ fn stats_layout_matches_the_header_and_the_python_helper() {
     assert_eq!(in_header, in_rust);
     assert_eq!(in_python, in_rust);
     assert_eq!(std::mem::size_of::<VmpoolStats>(), 8 * in_rust.len());
+    assert_eq!(vmpool_stats_size(), std::mem::size_of::<VmpoolStats>());
+}
+
+/// The version the Python package compares with its own is the crate's.
+#[test]
+fn the_version_is_the_crate_s() {
+    assert_eq!(vmpool_version(), vmpool_c::VERSION.as_ptr());
+    assert_eq!(
+        vmpool_c::VERSION.to_str().unwrap(),
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(vmpool_c::vmpool_abi(), vmpool_c::ABI);
 }
 
 #[test]
@@ -276,6 +289,17 @@ fn bad_arguments_return_null() {
     // After all that, the device still works.
     let p = vmpool_alloc(64, d, stream(1));
     assert!(!p.is_null());
+    // Its map, copied out whole, and cut to what a small buffer holds.
+    let full = vmpool_snapshot(d, std::ptr::null_mut(), 0);
+    assert!(full > 0);
+    let mut buf = vec![0xffu8; full as usize + 1];
+    assert_eq!(vmpool_snapshot(d, buf.as_mut_ptr().cast(), buf.len()), full);
+    let text = CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap();
+    assert_eq!(text.len(), full as usize);
+    let mut small = [0xffu8; 8];
+    assert_eq!(vmpool_snapshot(d, small.as_mut_ptr().cast(), 8), full);
+    assert_eq!(&small[..], &[&text.as_bytes()[..7], &[0]].concat()[..]);
+    assert_eq!(vmpool_snapshot(6, buf.as_mut_ptr().cast(), buf.len()), -1);
     vmpool_free(p, 64, d, stream(1));
     assert_eq!(vmpool_synchronize(d), 0);
     assert_eq!(vmpool_trim(d, 0), 0);
