@@ -23,7 +23,7 @@
  * | `VMPOOL_BACKEND` | `cuda`, or `host` (memfd chunks; no GPU) for tests | `cuda` |
  * | `VMPOOL_HOST_DEVICES` | the host backend's devices | `1` |
  * | `VMPOOL_HOST_MEMORY` | the host backend's memory per device, in bytes | `4G` |
- * | `VMPOOL_LIB` | where `vmpool_torch.py` finds the library (read by the script only) | beside the script, then `target/release/` |
+ * | `VMPOOL_LIB` | where the Python package finds the library (read by the package only; `VMPOOL_ALLOW_MISMATCH=1` warns instead of refusing another version) | in the package, then `target/release/` |
  *
  * Streams: `stream` is a CUstream / cudaStream_t of the device's primary
  * context (the runtime API's contexts), or 0 for the legacy default stream.

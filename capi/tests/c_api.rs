@@ -108,7 +108,7 @@ fn round_trip_and_figures() {
 }
 
 /// `vmpool_stats_t` is written out three times: the Rust struct, the C
-/// header and the Python helper's ctypes fields. The same names, in the
+/// header and the Python package's `Stats` (whose fields follow `valid`). The same names, in the
 /// same order, all 64-bit.
 #[test]
 fn stats_layout_matches_the_header_and_the_python_helper() {
@@ -130,16 +130,17 @@ fn stats_layout_matches_the_header_and_the_python_helper() {
             names.split(',').map(str::trim)
         })
         .collect();
-    let python = include_str!("../../scripts/vmpool_torch.py");
-    let list = python
-        .split_once("_FIELDS = [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .expect("_FIELDS in vmpool_torch.py")
+    // The Python package's `Stats` dataclass: one `name: int` line per
+    // field, in order.
+    let python = include_str!("../../python/vmpool/_lib.py");
+    let class = python
+        .split_once("class Stats:")
+        .and_then(|(_, rest)| rest.split_once("\n\n    def "))
+        .expect("class Stats in python/vmpool/_lib.py")
         .0;
-    let in_python: Vec<&str> = list
-        .split(',')
-        .map(|name| name.trim().trim_matches('"'))
-        .filter(|name| !name.is_empty())
+    let in_python: Vec<&str> = class
+        .lines()
+        .filter_map(|line| line.trim().strip_suffix(": int"))
         .collect();
     let debug = format!("{:?}", VmpoolStats::default());
     let in_rust: Vec<&str> = debug
@@ -150,7 +151,7 @@ fn stats_layout_matches_the_header_and_the_python_helper() {
         .filter(|name| !name.is_empty())
         .collect();
     assert_eq!(in_header, in_rust);
-    assert_eq!(in_python, in_rust);
+    assert_eq!(in_python, in_rust[1..]);
     assert_eq!(std::mem::size_of::<VmpoolStats>(), 8 * in_rust.len());
     assert_eq!(vmpool_stats_size(), std::mem::size_of::<VmpoolStats>());
 }

@@ -1,6 +1,8 @@
-//! `scripts/vmpool_torch.py`'s ctypes layer (the part that needs no
-//! PyTorch) against the library this build made, on the host backend. The
-//! PyTorch part runs on the GPU (`scripts/pytorch_compare.py`).
+//! The Python package's ctypes layer (the part that needs no PyTorch),
+//! through `scripts/vmpool_torch.py`, the name older scripts import it by,
+//! against the library this build made, on the host backend. The package's
+//! own tests are python/tests (pytest); the PyTorch part runs on the GPU
+//! (`scripts/pytorch_compare.py`).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,8 +16,20 @@ fn library() -> PathBuf {
     lib
 }
 
-/// `scripts/vmpool_torch.py`.
+/// `scripts/vmpool_torch.py`, and the package it imports.
 const HELPER: &str = include_str!("../../scripts/vmpool_torch.py");
+const PACKAGE: [(&str, &str); 4] = [
+    (
+        "__init__.py",
+        include_str!("../../python/vmpool/__init__.py"),
+    ),
+    ("_lib.py", include_str!("../../python/vmpool/_lib.py")),
+    (
+        "_version.py",
+        include_str!("../../python/vmpool/_version.py"),
+    ),
+    ("torch.py", include_str!("../../python/vmpool/torch.py")),
+];
 
 const SCRIPT: &str = r#"
 import vmpool_torch as v
@@ -58,6 +72,10 @@ fn ctypes_helper_on_the_host_backend() {
     let scripts = std::env::temp_dir().join(format!("vmpool-python-lib-{}", std::process::id()));
     std::fs::create_dir_all(&scripts).unwrap();
     std::fs::write(scripts.join("vmpool_torch.py"), HELPER).unwrap();
+    std::fs::create_dir_all(scripts.join("vmpool")).unwrap();
+    for (name, text) in PACKAGE {
+        std::fs::write(scripts.join("vmpool").join(name), text).unwrap();
+    }
     let out = Command::new("python3")
         .arg("-c")
         .arg(SCRIPT)

@@ -1,0 +1,59 @@
+"""vmpool: a stream-ordered, defragmenting GPU memory allocator on CUDA's
+virtual-memory API, here as a Python package around its C library.
+
+    import vmpool.torch
+    vmpool.torch.install()      # PyTorch now allocates through vmpool
+
+`vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
+`empty_cache()` and the raw `alloc()` / `free()` work on any backend
+(VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
+and refuses one of another version (`LibraryMismatchError`).
+"""
+
+from ._lib import (
+    ABI,
+    FIELDS,
+    LibraryMismatchError,
+    OutOfMemoryError,
+    Stats,
+    VmpoolError,
+    alloc,
+    backend,
+    empty_cache,
+    free,
+    library,
+    library_path,
+    library_version,
+    print_snapshot,
+    reset_peaks,
+    snapshot,
+    stats,
+    summary,
+    synchronize,
+)
+from ._version import __version__
+
+library()
+
+__all__ = [
+    "ABI",
+    "FIELDS",
+    "LibraryMismatchError",
+    "OutOfMemoryError",
+    "Stats",
+    "VmpoolError",
+    "__version__",
+    "alloc",
+    "backend",
+    "empty_cache",
+    "free",
+    "library",
+    "library_path",
+    "library_version",
+    "print_snapshot",
+    "reset_peaks",
+    "snapshot",
+    "stats",
+    "summary",
+    "synchronize",
+]

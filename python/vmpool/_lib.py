@@ -1,0 +1,324 @@
+"""libvmpool_c.so through ctypes: finding and loading it, checking that it
+is the library this package was written for, and the calls that need no
+PyTorch (statistics, trimming, the address-space map, raw allocations).
+
+The library is found through $VMPOOL_LIB, else beside this file (where the
+wheel puts it), else beside the package's folder (a copy of the package
+with the library next to it, as the GPU bundle has), else in the source
+tree's target/release/ (after `cargo build --release -p vmpool-c`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+from ._version import __version__
+
+#: The layout of what crosses the C interface by value (`vmpool_abi()`):
+#: the library's must be this one.
+ABI = 1
+LIBRARY_NAME = "libvmpool_c.so"
+_HERE = Path(__file__).resolve().parent
+
+
+class VmpoolError(RuntimeError):
+    """A vmpool call failed; vmpool's log on stderr says why."""
+
+
+class LibraryMismatchError(ImportError):
+    """The library found is not the one this package was written for: its
+    version, or the layout of its structs, differ."""
+
+
+class OutOfMemoryError(MemoryError):
+    """vmpool could not allocate (out of device memory, or over the limit
+    set by `set_per_process_memory_fraction`). With PyTorch loaded,
+    `alloc()` raises `torch.OutOfMemoryError` instead, as PyTorch does."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """A device's figures (`vmpool_stats_t` in capi/include/vmpool.h, in
+    the same order). Bytes are counted as the pool rounds them."""
+
+    reserved_bytes: int
+    """Physical bytes the device's pool holds (graph pools' not included)."""
+    reserved_high: int
+    used_bytes: int
+    """Bytes of live allocations."""
+    used_high: int
+    allocations: int
+    frees: int
+    grows: int
+    remaps: int
+    bytes_remapped: int
+    chunks_created: int
+    chunks_released: int
+    largest_free_range: int
+    pending_bytes: int
+    """Freed in stream order, not yet known to be free for every stream."""
+    refused_frees: int
+    """Frees of pointers vmpool did not hand out, or not any more."""
+    timed_calls: int
+    call_nanos: int
+    graph_pools: int
+    graph_reserved_bytes: int
+    timed_frees: int
+    free_nanos: int
+    grow_nanos: int
+    maps: int
+    unmaps: int
+    same_stream_reuses: int
+    frees_merged: int
+    frees_completed: int
+    events_recorded: int
+    waits_inserted: int
+
+    def __getitem__(self, name: str) -> int:
+        """`stats["used_bytes"]`, as the dict earlier versions returned."""
+        return getattr(self, name)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = tuple(field.name for field in dataclasses.fields(Stats))
+
+
+class _CStats(ctypes.Structure):
+    _fields_ = [("valid", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in FIELDS]
+
+
+class MempoolId(ctypes.Structure):
+    """PyTorch's id of a private pool (`MempoolId_t`)."""
+
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+
+
+def library_path() -> str:
+    """Where libvmpool_c.so is: $VMPOOL_LIB, in this package, beside it, or
+    the source tree's target/release/."""
+    env = os.environ.get("VMPOOL_LIB")
+    candidates = [Path(env)] if env else []
+    candidates += [
+        _HERE / LIBRARY_NAME,
+        _HERE.parent / LIBRARY_NAME,
+        _HERE.parent.parent / "target" / "release" / LIBRARY_NAME,
+    ]
+    for path in candidates:
+        if path.is_file():
+            return str(path)
+    tried = ", ".join(map(str, candidates))
+    raise FileNotFoundError(
+        f"{LIBRARY_NAME} not found (tried {tried}): reinstall the wheel "
+        "(pip install --force-reinstall vmpool-*.whl), or build the library "
+        "(cargo build --release -p vmpool-c) or set VMPOOL_LIB"
+    )
+
+
+def _signatures(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    table = {
+        "vmpool_alloc": (c.c_void_p, [c.c_ssize_t, c.c_int, c.c_void_p]),
+        "vmpool_free": (None, [c.c_void_p, c.c_ssize_t, c.c_int, c.c_void_p]),
+        "vmpool_record_stream": (None, [c.c_void_p, c.c_void_p]),
+        "vmpool_begin_allocate_to_pool": (None, [c.c_int, MempoolId, c.c_void_p]),
+        "vmpool_end_allocate_to_pool": (None, [c.c_int, MempoolId]),
+        "vmpool_release_pool": (None, [c.c_int, MempoolId]),
+        "vmpool_stats": (_CStats, [c.c_int]),
+        "vmpool_synchronize": (c.c_int, [c.c_int]),
+        "vmpool_reset_peaks": (c.c_int, [c.c_int]),
+        "vmpool_print_snapshot": (c.c_int, [c.c_int]),
+        "vmpool_snapshot": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
+        "vmpool_trim": (c.c_int, [c.c_int, c.c_uint64]),
+        "vmpool_backend": (c.c_char_p, []),
+        "vmpool_flush_traces": (c.c_int, []),
+        "vmpool_empty_cache": (None, []),
+        "vmpool_set_memory_fraction": (None, [c.c_double, c.c_int]),
+    }
+    for name, (restype, argtypes) in table.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def check_library(lib: ctypes.CDLL, path: str) -> None:
+    """Refuses (`LibraryMismatchError`) a library of another version, or
+    whose structs are laid out differently, before anything reads them.
+    VMPOOL_ALLOW_MISMATCH=1 turns the refusal into a warning, for A/B runs
+    against an older build whose stats struct is known to match."""
+    problems = []
+    try:
+        version_fn, abi_fn, size_fn = lib.vmpool_version, lib.vmpool_abi, lib.vmpool_stats_size
+    except AttributeError:
+        problems.append("it has no version (older than this check)")
+    else:
+        version_fn.restype, version_fn.argtypes = ctypes.c_char_p, []
+        abi_fn.restype, abi_fn.argtypes = ctypes.c_uint32, []
+        size_fn.restype, size_fn.argtypes = ctypes.c_size_t, []
+        version = (version_fn() or b"?").decode()
+        if version != __version__:
+            problems.append(f"it is version {version}, this package {__version__}")
+        if abi_fn() != ABI:
+            problems.append(f"its interface layout is {abi_fn()}, this package's {ABI}")
+        if size_fn() != ctypes.sizeof(_CStats):
+            problems.append(f"its stats struct has {size_fn()} bytes, this package's {ctypes.sizeof(_CStats)}")
+    if not problems:
+        return
+    message = (
+        f"vmpool {__version__} ({_HERE}) cannot use {path}: {'; '.join(problems)}. "
+        "Reinstall both from one build: pip install --force-reinstall vmpool-*.whl "
+        "(and unset VMPOOL_LIB), or rebuild the library from this source tree "
+        "(cargo build --release -p vmpool-c)."
+    )
+    if os.environ.get("VMPOOL_ALLOW_MISMATCH") == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return
+    raise LibraryMismatchError(message)
+
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """The loaded, checked library: the same instance PyTorch calls into."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            lib = ctypes.CDLL(path)
+            check_library(lib, path)
+            _signatures(lib)
+            # The pools are never dropped: traces being recorded
+            # (VMPOOL_RECORD) are written out at exit.
+            atexit.register(lib.vmpool_flush_traces)
+            _lib = lib
+    return _lib
+
+
+def library_version() -> str:
+    """The loaded library's version (equal to `vmpool.__version__`)."""
+    return library().vmpool_version().decode()
+
+
+def _check(call: str, rc: int) -> None:
+    if rc != 0:
+        raise VmpoolError(f"vmpool_{call} failed (the reason is in vmpool's log on stderr)")
+
+
+def backend() -> str:
+    """'cuda', 'host', or 'none' when the library could not start."""
+    return library().vmpool_backend().decode()
+
+
+def stats(device: int = 0) -> Stats:
+    """`device`'s figures. Raises `VmpoolError` for a device vmpool cannot
+    use, or when the library could not start."""
+    s = library().vmpool_stats(device)
+    if not s.valid:
+        raise VmpoolError(f"vmpool_stats({device}) failed (the reason is in vmpool's log on stderr)")
+    return Stats(*(getattr(s, name) for name in FIELDS))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def summary(device: int = 0) -> str:
+    """`device`'s figures as a few lines of text."""
+    s = stats(device)
+    return "\n".join(
+        [
+            f"vmpool on device {device} ({backend()} backend)",
+            f"  used        {_mib(s.used_bytes)} (peak {_mib(s.used_high)})",
+            f"  reserved    {_mib(s.reserved_bytes)} (peak {_mib(s.reserved_high)}); "
+            f"largest free range {_mib(s.largest_free_range)}; pending frees {_mib(s.pending_bytes)}",
+            f"  calls       {s.allocations} allocations, {s.frees} frees, {s.refused_frees} refused frees",
+            f"  growth      {s.grows} grows; {s.chunks_created} chunks created, "
+            f"{s.chunks_released} released; {s.remaps} remaps ({_mib(s.bytes_remapped)})",
+            f"  graph pools {s.graph_pools} ({_mib(s.graph_reserved_bytes)} reserved)",
+        ]
+    )
+
+
+def snapshot(device: int = 0) -> str:
+    """`device`'s address-space map (arenas, mapped units, free ranges,
+    spare chunks) as text; empty before the device's first allocation."""
+    lib = library()
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.vmpool_snapshot(device, buf, size)
+        if n < 0:
+            raise VmpoolError(f"vmpool_snapshot({device}) failed (the reason is in vmpool's log on stderr)")
+        if n < size:
+            return buf.value.decode()
+        size = n + 1
+
+
+def print_snapshot(device: int = 0) -> None:
+    """Writes `device`'s address-space map to stderr."""
+    _check("print_snapshot", library().vmpool_print_snapshot(device))
+
+
+def reset_peaks(device: int = 0) -> None:
+    """Resets the reserved and used peaks to their current values."""
+    _check("reset_peaks", library().vmpool_reset_peaks(device))
+
+
+def synchronize(device: int = 0) -> None:
+    """Waits for the streams vmpool has seen, frees what they freed, trims
+    the pool to its release threshold, and forgets the streams (adopted
+    again at their next use)."""
+    _check("synchronize", library().vmpool_synchronize(device))
+
+
+def empty_cache(device: int | None = None) -> None:
+    """Returns unused memory to the device, as `torch.cuda.empty_cache()`:
+    every device's when `device` is None, else that one's."""
+    if device is None:
+        library().vmpool_empty_cache()
+        return
+    synchronize(device)
+    _check("trim", library().vmpool_trim(device, 0))
+
+
+def _out_of_memory(message: str) -> Exception:
+    torch = sys.modules.get("torch")
+    error = getattr(torch, "OutOfMemoryError", None)
+    if isinstance(error, type) and issubclass(error, Exception):
+        return error(message)
+    return OutOfMemoryError(message)
+
+
+def alloc(size: int, device: int = 0, stream: int = 0) -> int:
+    """`size` bytes on `device` for use in stream order on `stream` (a
+    CUstream handle, 0 for the legacy default stream); the address. Raises
+    `torch.OutOfMemoryError` (without PyTorch: `vmpool.OutOfMemoryError`)
+    when vmpool cannot allocate, as `torch.cuda.caching_allocator_alloc`
+    does."""
+    if size < 0:
+        raise ValueError(f"size must not be negative, not {size}")
+    if size == 0:
+        return 0
+    ptr = library().vmpool_alloc(size, device, stream)
+    if not ptr:
+        raise _out_of_memory(
+            f"vmpool could not allocate {size} bytes on device {device} (vmpool's log on stderr says why)"
+        )
+    return ptr
+
+
+def free(ptr: int, device: int = 0, stream: int = 0, size: int = -1) -> None:
+    """Frees `ptr` (from `alloc`) in stream order on `stream`; `size`, when
+    not negative, is checked against the allocation. A pointer vmpool did
+    not hand out changes nothing and is counted in `refused_frees`."""
+    library().vmpool_free(ptr, size, device, stream)

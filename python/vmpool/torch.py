@@ -1,0 +1,197 @@
+"""vmpool as PyTorch's CUDA allocator.
+
+    import vmpool.torch
+    vmpool.torch.install()      # before the first CUDA allocation
+
+or, with no change to the program:
+
+    python -m vmpool.torch train.py ARGS...      (or: vmpool-torch train.py ARGS...)
+    python -m vmpool.torch -m package.module ARGS...
+
+The functions here take PyTorch's devices (an index, a `torch.device`, or
+None for the current one); `vmpool`'s own take an index.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import sys
+from typing import Any, Union
+
+from . import _lib
+from ._lib import LibraryMismatchError, Stats, VmpoolError, library, library_path
+
+__all__ = [
+    "LibraryMismatchError",
+    "Stats",
+    "VmpoolError",
+    "empty_cache",
+    "install",
+    "main",
+    "print_snapshot",
+    "reset_peaks",
+    "snapshot",
+    "stats",
+    "summary",
+    "synchronize",
+]
+
+Device = Union[int, str, Any, None]
+
+
+def _index(device: Device) -> int:
+    """PyTorch's device index for `device`: the current device for None."""
+    if isinstance(device, int):
+        return device
+    import torch
+
+    return torch.cuda._utils._get_device_index(device, optional=True)
+
+
+def install() -> Any:
+    """Makes vmpool PyTorch's CUDA allocator; returns the
+    `CUDAPluggableAllocator`. Call it before anything allocates CUDA memory
+    (PyTorch refuses the change afterwards).
+
+    It also hooks `Tensor.record_stream`, and the private pools of CUDA
+    graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
+    calls for a pluggable allocator, and memory would be reused under
+    another stream's reads, or under a graph's replays. And
+    `torch.cuda.empty_cache()`, which then returns vmpool's unused memory
+    on every device, and `torch.cuda.set_per_process_memory_fraction()`,
+    which then limits vmpool's pool. PyTorch's memory statistics
+    (`torch.cuda.memory_allocated()`, `max_memory_reserved()`,
+    `memory_stats()`, `reset_peak_memory_stats()`, ...), which raise for a
+    pluggable allocator, then report vmpool's figures.
+
+    Raises `RuntimeError` for a PyTorch that cannot pass these hooks to a
+    pluggable allocator."""
+    import torch
+
+    lib = library()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
+    hooks = [
+        ("set_record_stream_fn", lib.vmpool_record_stream, "Tensor.record_stream"),
+        ("set_begin_allocate_to_pool", lib.vmpool_begin_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
+        ("set_reset_fn", lib.vmpool_empty_cache, "torch.cuda.empty_cache"),
+        ("set_memory_fraction_fn", lib.vmpool_set_memory_fraction, "torch.cuda.set_per_process_memory_fraction"),
+    ]
+    missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
+    if missing:
+        needs = " and ".join(sorted({what for _, what in missing}))
+        names = ", ".join(name for name, _ in missing)
+        raise RuntimeError(f"this PyTorch cannot pass {needs} to a pluggable allocator (no {names})")
+    for name, fn, _ in hooks:
+        getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(allocator)
+    _redirect_torch_statistics(torch)
+    return allocator
+
+
+def _redirect_torch_statistics(torch: Any) -> None:
+    """PyTorch keeps no statistics for a pluggable allocator: asked for
+    them (`torch.cuda.memory_allocated()`, `max_memory_reserved()`,
+    `memory_stats()`, `reset_peak_memory_stats()`, ...) it raises. These
+    functions all go through `memory_stats_as_nested_dict` and
+    `reset_peak_memory_stats` in `torch.cuda.memory`; pointed at vmpool,
+    they report the device pool's own figures: allocated and active bytes
+    are vmpool's used bytes, reserved bytes its reserved bytes (CUDA
+    graphs' pools not included), each with its peak. `memory_summary()`,
+    whose table needs figures vmpool does not keep (segments, splits),
+    gives vmpool's own summary instead (`summary()`)."""
+    memory = torch.cuda.memory
+
+    def memory_stats_as_nested_dict(device: Device = None) -> dict:
+        s = stats(device)
+        used = {"all": {"current": s.used_bytes, "peak": s.used_high}}
+        return {
+            "allocated_bytes": used,
+            "active_bytes": used,
+            "reserved_bytes": {"all": {"current": s.reserved_bytes, "peak": s.reserved_high}},
+            "allocation": {"all": {"allocated": s.allocations, "freed": s.frees}},
+        }
+
+    def reset_peak_memory_stats(device: Device = None) -> None:
+        reset_peaks(device)
+
+    def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
+        return summary(device)
+
+    for module in (memory, torch.cuda):
+        module.memory_stats_as_nested_dict = memory_stats_as_nested_dict
+        module.reset_peak_memory_stats = reset_peak_memory_stats
+        module.memory_summary = memory_summary
+
+
+def backend() -> str:
+    """'cuda', 'host', or 'none' when the library could not start."""
+    return _lib.backend()
+
+
+def stats(device: Device = None) -> Stats:
+    """vmpool's figures for `device` (default: the current CUDA device)."""
+    return _lib.stats(_index(device))
+
+
+def summary(device: Device = None) -> str:
+    """vmpool's figures for `device` as a few lines of text."""
+    return _lib.summary(_index(device))
+
+
+def snapshot(device: Device = None) -> str:
+    """`device`'s address-space map as text."""
+    return _lib.snapshot(_index(device))
+
+
+def print_snapshot(device: Device = None) -> None:
+    """Writes `device`'s address-space map to stderr."""
+    _lib.print_snapshot(_index(device))
+
+
+def reset_peaks(device: Device = None) -> None:
+    """Resets `device`'s reserved and used peaks."""
+    _lib.reset_peaks(_index(device))
+
+
+def synchronize(device: Device = None) -> None:
+    """Waits for the streams vmpool has seen on `device`, frees what they
+    freed, trims the pool to its release threshold, and forgets the
+    streams."""
+    _lib.synchronize(_index(device))
+
+
+def empty_cache(device: Device = None) -> None:
+    """Returns `device`'s unused memory (`torch.cuda.empty_cache()`, once
+    `install()` hooked it, returns every device's)."""
+    _lib.empty_cache(_index(device))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m vmpool.torch SCRIPT ARGS...` (or `-m MODULE ARGS...`):
+    installs vmpool, then runs the program as `python SCRIPT ARGS...`
+    would, with vmpool as its allocator."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m vmpool.torch SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+    if not args or args[0] in ("-h", "--help"):
+        print(usage, file=sys.stderr)
+        raise SystemExit(0 if args else 2)
+    install()
+    if args[0] == "-m":
+        if len(args) < 2:
+            print(usage, file=sys.stderr)
+            raise SystemExit(2)
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        # As `python SCRIPT` does: the script's folder first on the path.
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
