@@ -65,9 +65,15 @@ done
 # The C layer's call cost (capi/examples/c_calls.rs), for the c-calls job.
 cp target/release/examples/c_calls "$bundle/bin/c_calls"
 
-# The C library and the PyTorch scripts, for the torch job.
+# The C library and the PyTorch scripts, for the torch job; the Python
+# package beside them (vmpool_torch.py imports it, and finds the library
+# beside the package's folder); the wheel, which torch_wheel_check.py
+# installs into a fresh environment there.
 cargo build --release -p vmpool-c
-cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_cases.py "$bundle/torch/"
+cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_cases.py scripts/torch_wheel_check.py "$bundle/torch/"
+mkdir -p "$bundle/torch/vmpool"
+cp python/vmpool/*.py python/vmpool/py.typed "$bundle/torch/vmpool/"
+python3 -m pip wheel --quiet --no-deps . -w "$bundle/torch"
 
 # An older build of the C library, for A/B runs.
 base_line=

@@ -5,7 +5,7 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [c-calls] [multi]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [wheel] [c-calls] [multi]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
@@ -27,6 +27,10 @@
 # sleep: examples/sleep_wake.rs, a pool keeping SLEEP_GIB GiB (default
 # 1,10,40) put to sleep and woken, timed beside the page-locked copy
 # bandwidth, every kept byte checked.
+#
+# wheel: scripts/torch_wheel_check.py: the wheel installed into a fresh
+# environment, training under vmpool.torch.install() and the launcher
+# against native, the package's statistics and errors.
 #
 # c-calls: capi/examples/c_calls.rs on the generation trace, what a call
 # through vmpool_alloc / vmpool_free costs, without and with VMPOOL_TIMING
@@ -83,7 +87,7 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | record-stream | graphs | limits | stats) parts=torch ;;
+    torch | record-stream | graphs | limits | stats | wheel) parts=torch ;;
     *) parts= ;;
     esac
     missing=
@@ -144,6 +148,9 @@ for job in $jobs; do
         ;;
     stats)
         run "pytorch stats" python3 "$here/torch/torch_stats.py"
+        ;;
+    wheel)
+        run "pytorch wheel" python3 "$here/torch/torch_wheel_check.py" --out "$outdir"
         ;;
     c-calls)
         run "c_calls" env VMPOOL_TIMING=0 "$here/bin/c_calls" "$here/traces/gpt2_generate.trace.gz"
