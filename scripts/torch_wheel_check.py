@@ -13,7 +13,11 @@ attention, deterministic kernels) in one process per case:
 Each vmpool case checks that the package came from the wheel with its own
 library, of the same version, that PyTorch's statistics are vmpool's, and
 that `vmpool.alloc()` past the device raises `torch.OutOfMemoryError`. The
-losses must equal native's, step for step.
+losses must equal native's, step for step. Each records the memory history
+(install: `vmpool.torch.record_history`; launcher and script: PyTorch's own
+`torch.cuda.memory._record_memory_history`, which install() redirects),
+dumps the snapshot after `empty_cache()`, and has `torch.cuda._memory_viz`
+draw it: snapshot-CASE.html in --out, with segment_map and segment_unmap.
 
     python3 scripts/torch_wheel_check.py [--wheel PATH] [--steps N] [--out DIR]
 
@@ -36,12 +40,17 @@ HERE = Path(__file__).resolve().parent
 # Runs in the fresh environment, from a folder with nothing else in it, so
 # that `import vmpool` can only find the installed wheel.
 CHILD = r"""
-import json, os, random, sys
+import json, os, pickle, random, sys
 case, steps = sys.argv[1], int(sys.argv[2])
+out = os.environ["CHECK_OUT"]
 if case == "install":
     import vmpool.torch
     vmpool.torch.install()
+    vmpool.torch.record_history(True, max_entries=1_000_000)
 import torch
+if case in ("launcher", "script"):
+    # The launcher installed vmpool: PyTorch's own calls record its history.
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
 from transformers import GPT2Config, GPT2LMHeadModel
 
 torch.backends.cudnn.benchmark = False
@@ -91,6 +100,28 @@ if case != "native":
     del model, opt, ids, loss
     torch.cuda.empty_cache()
     result["reserved_after_empty_cache"] = vmpool.torch.stats().reserved_bytes
+    # The snapshot, written as each route writes it, read and drawn by
+    # PyTorch's own tools.
+    path = os.path.join(out, f"snapshot-{case}.pickle")
+    if case == "install":
+        vmpool.torch.dump_snapshot(path)
+    else:
+        torch.cuda.memory._dump_snapshot(path)
+    from torch.cuda import _memory_viz
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    actions = {}
+    for trace in snap["device_traces"]:
+        for e in trace:
+            actions[e["action"]] = actions.get(e["action"], 0) + 1
+    result["snapshot_actions"] = actions
+    result["snapshot_segments"] = len(snap["segments"])
+    html = _memory_viz.trace_plot(snap)
+    with open(os.path.join(out, f"snapshot-{case}.html"), "w") as f:
+        f.write(html)
+    result["snapshot_html_bytes"] = len(html)
+    result["segsum"] = _memory_viz.segsum(snap).splitlines()[-12:-9]
+    os.remove(path)
 print("RESULT " + json.dumps(result), flush=True)
 """
 
@@ -130,6 +161,9 @@ def main():
         child.write_text(CHILD)
         env = {k: v for k, v in os.environ.items() if k not in ("VMPOOL_LIB", "PYTHONPATH", "VMPOOL_BACKEND")}
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        out = args.out or tmp
+        out.mkdir(parents=True, exist_ok=True)
+        env["CHECK_OUT"] = str(out)
         steps = str(args.steps)
         commands = {
             "native": [py, child, "native", steps],
@@ -157,6 +191,14 @@ def main():
                 "memory_reserved() is vmpool's": r["torch_reserved"] == r["reserved_bytes"],
                 "out of memory is torch.OutOfMemoryError": r["oom"].startswith("torch.OutOfMemoryError"),
                 "losses equal native's": native is not None and r["losses"] == native["losses"],
+                "the snapshot has allocations and frees": all(
+                    r["snapshot_actions"].get(a, 0) > 0 for a in ("alloc", "free_requested", "free_completed")
+                ),
+                "the snapshot has a remap (segment_unmap and segment_map)": all(
+                    r["snapshot_actions"].get(a, 0) > 0 for a in ("segment_map", "segment_unmap")
+                ),
+                "the snapshot has its out-of-memory refusal": r["snapshot_actions"].get("oom", 0) > 0,
+                "memory_viz drew it": r["snapshot_html_bytes"] > 0,
             }
             for what, ok in checks.items():
                 print(f"{case}: {what}: {'ok' if ok else 'FAILED'}")

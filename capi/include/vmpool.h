@@ -171,6 +171,16 @@ int vmpool_print_snapshot(int device);
  * yet, -1 on failure. `buf` may be NULL when `len` is 0. */
 ssize_t vmpool_snapshot(int device, char *buf, size_t len);
 
+/* The memory history, for PyTorch's memory snapshots (the Python package
+ * turns it into their pickle). vmpool_record_history starts recording
+ * afresh (enabled != 0) or stops (what was recorded stays): a ring of the
+ * last max_entries allocations, frees, refusals, and maps and unmaps of
+ * the pools' units, on devices 0..devices-1 and any other used meanwhile.
+ * Off by default. vmpool_history copies the record and the pools of
+ * devices 0..devices-1 as JSON into `buf`, as vmpool_snapshot does. */
+void vmpool_record_history(int enabled, size_t max_entries, int devices);
+ssize_t vmpool_history(int devices, char *buf, size_t len);
+
 /* Writes out the allocation traces being recorded (VMPOOL_RECORD); the
  * pools live until the process ends, so call it before exiting. 0 / -1. */
 int vmpool_flush_traces(void);

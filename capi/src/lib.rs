@@ -30,6 +30,7 @@
 
 mod call_error;
 pub mod config;
+pub mod history;
 mod pointers;
 mod refusals;
 pub mod shim;
@@ -45,6 +46,7 @@ use vmpool::vmm::Backend;
 use vmpool::GraphPoolId;
 
 use self::config::{BackendChoice, Config};
+use self::history::History;
 use self::shim::{CallError, Figures, Shim};
 
 /// The library's one state, made by the first call.
@@ -64,6 +66,20 @@ macro_rules! with_shim {
 }
 
 static GLOBAL: OnceLock<Result<Global, String>> = OnceLock::new();
+
+/// The memory history ([`vmpool_record_history`]), off until asked for.
+static HISTORY: History = History::new();
+
+/// Runs `f` on the global state while the history records, catching its
+/// panics: recording never fails the call it records.
+fn recording(f: impl FnOnce(&Global)) {
+    if !HISTORY.is_on() {
+        return;
+    }
+    if let Some(global) = global() {
+        let _ = catch_unwind(AssertUnwindSafe(|| f(global)));
+    }
+}
 
 /// Logs to stderr through `filter` (`VMPOOL_LOG`, checked by
 /// [`Config`]), in colour only on a terminal.
@@ -161,11 +177,16 @@ fn call<T>(call: &str, failed: T, f: impl FnOnce(&Global) -> Result<T, CallError
 /// (PyTorch's `alloc_fn`). NULL for zero bytes, and on failure (logged).
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    call(
+    let ptr = call(
         "alloc",
         0,
         |g| with_shim!(g, s => s.alloc(size as i64, i64::from(device), stream as usize)),
-    ) as *mut c_void
+    );
+    recording(|g| {
+        let size = u64::try_from(size).unwrap_or(0);
+        with_shim!(g, s => HISTORY.allocated(s, i64::from(device), ptr, size, stream as u64));
+    });
+    ptr as *mut c_void
 }
 
 /// Frees `ptr` in stream order on `stream` (PyTorch's `free_fn`). NULL is
@@ -179,7 +200,11 @@ pub extern "C" fn vmpool_free(ptr: *mut c_void, size: isize, device: c_int, stre
         "free",
         (),
         |g| with_shim!(g, s => s.free(ptr as u64, size as i64, i64::from(device), stream as usize)),
-    )
+    );
+    recording(|g| {
+        let (ptr, device) = (ptr as u64, i64::from(device));
+        with_shim!(g, s => HISTORY.freed(s, device, ptr, size as i64, stream as u64));
+    });
 }
 
 /// Notes that work queued on `stream` may use `ptr` until it is freed
@@ -257,11 +282,13 @@ pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
 /// success, -1 on failure (logged).
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_synchronize(device: c_int) -> c_int {
-    call(
+    let rc = call(
         "synchronize",
         -1,
         |g| with_shim!(g, s => s.synchronize(i64::from(device)).map(|()| 0)),
-    )
+    );
+    recording(|g| with_shim!(g, s => HISTORY.remapped(s, i64::from(device))));
+    rc
 }
 
 /// Releases unused physical memory of `device`'s pool down to `keep`
@@ -269,11 +296,13 @@ pub extern "C" fn vmpool_synchronize(device: c_int) -> c_int {
 /// [`vmpool_synchronize`]). 0 on success, -1 on failure (logged).
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
-    call(
+    let rc = call(
         "trim",
         -1,
         |g| with_shim!(g, s => s.trim(i64::from(device), keep).map(|()| 0)),
-    )
+    );
+    recording(|g| with_shim!(g, s => HISTORY.remapped(s, i64::from(device))));
+    rc
 }
 
 /// Returns every device's unused memory: waits for the streams vmpool has
@@ -284,6 +313,9 @@ pub extern "C" fn vmpool_trim(device: c_int, keep: u64) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_empty_cache() {
     call("empty_cache", (), |g| with_shim!(g, s => s.empty_cache()));
+    for device in HISTORY.devices() {
+        recording(|g| with_shim!(g, s => HISTORY.remapped(s, device)));
+    }
 }
 
 /// What [`vmpool_sleep`] at level 1 does with each device pool's bytes:
@@ -476,7 +508,13 @@ pub extern "C" fn vmpool_snapshot(device: c_int, buf: *mut std::ffi::c_char, len
     let Some(dump) = dump else {
         return -1;
     };
-    let bytes = dump.as_bytes();
+    copy_out(&dump, buf, len)
+}
+
+/// Copies `text` into the caller's `buf` of `len` bytes, cut to `len - 1`
+/// bytes and a NUL; returns its full length.
+fn copy_out(text: &str, buf: *mut std::ffi::c_char, len: usize) -> isize {
+    let bytes = text.as_bytes();
     if !buf.is_null() && len > 0 {
         let n = bytes.len().min(len - 1);
         // SAFETY: vmpool.h's contract: `buf` points to `len` writable
@@ -486,6 +524,36 @@ pub extern "C" fn vmpool_snapshot(device: c_int, buf: *mut std::ffi::c_char, len
         out[n] = 0;
     }
     isize::try_from(bytes.len()).unwrap_or(isize::MAX)
+}
+
+/// Starts (`enabled` non-zero) or stops recording the memory history: a
+/// ring of the last `max_entries` allocations, frees, refusals, and maps
+/// and unmaps of the pools' units, on devices `0..devices` (and any other
+/// used while recording). Starting drops what was recorded before;
+/// stopping keeps it for [`vmpool_history`]. Off by default.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_record_history(enabled: c_int, max_entries: usize, devices: c_int) {
+    if enabled == 0 {
+        HISTORY.stop();
+        return;
+    }
+    call("record_history", (), |g| {
+        with_shim!(g, s => HISTORY.start(s, max_entries, i64::from(devices)));
+        Ok(())
+    });
+}
+
+/// The memory history and the pools of devices `0..devices` as JSON
+/// (`history::History::to_json` gives the shape), copied into `buf` as
+/// [`vmpool_snapshot`] copies; -1 when the library could not start.
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_history(devices: c_int, buf: *mut std::ffi::c_char, len: usize) -> isize {
+    let json = call("history", None, |g| {
+        Ok(Some(
+            with_shim!(g, s => HISTORY.to_json(s, i64::from(devices))),
+        ))
+    });
+    json.map_or(-1, |json| copy_out(&json, buf, len))
 }
 
 /// Writes out the allocation traces being recorded (`VMPOOL_RECORD`): the

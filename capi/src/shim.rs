@@ -35,7 +35,7 @@ use std::time::Instant;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{
     Closed, Context, Event, GraphAllocation, GraphPoolId, GraphPools, Pool, PoolAttribute,
-    PoolProps, PoolStats, Stream,
+    PoolProps, PoolSnapshot, PoolStats, Stream,
 };
 
 pub use crate::call_error::CallError;
@@ -627,8 +627,13 @@ impl<B: Backend> Shim<B> {
 
     /// The pool's address-space dump (`Pool::snapshot`), if it exists.
     pub fn snapshot(&self, device: i64) -> Result<Option<String>, CallError> {
+        Ok(self.pool_snapshot(device)?.map(|s| s.to_string()))
+    }
+
+    /// The pool's address-space picture, if it exists (memory history).
+    pub fn pool_snapshot(&self, device: i64) -> Result<Option<PoolSnapshot>, CallError> {
         let dev = self.device(device)?;
-        Ok(dev.pool.get().map(|p| p.snapshot().to_string()))
+        Ok(dev.pool.get().map(|p| p.snapshot()))
     }
 }
 

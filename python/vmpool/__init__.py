@@ -5,7 +5,8 @@ virtual-memory API, here as a Python package around its C library.
     vmpool.torch.install()      # PyTorch now allocates through vmpool
 
 `vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
-`empty_cache()` and the raw `alloc()` / `free()` work on any backend
+`empty_cache()`, the memory history (`record_history()`,
+`dump_snapshot()`) and the raw `alloc()` / `free()` work on any backend
 (VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
 and refuses one of another version (`LibraryMismatchError`).
 """
@@ -19,12 +20,16 @@ from ._lib import (
     VmpoolError,
     alloc,
     backend,
+    device_count,
+    dump_snapshot,
     empty_cache,
     free,
     library,
     library_path,
     library_version,
+    memory_snapshot,
     print_snapshot,
+    record_history,
     reset_peaks,
     snapshot,
     stats,
@@ -45,12 +50,16 @@ __all__ = [
     "__version__",
     "alloc",
     "backend",
+    "device_count",
+    "dump_snapshot",
     "empty_cache",
     "free",
     "library",
     "library_path",
     "library_version",
+    "memory_snapshot",
     "print_snapshot",
+    "record_history",
     "reset_peaks",
     "snapshot",
     "stats",

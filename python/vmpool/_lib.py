@@ -13,7 +13,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import json
 import os
+import pickle
 import sys
 import threading
 import warnings
@@ -142,6 +144,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_flush_traces": (c.c_int, []),
         "vmpool_empty_cache": (None, []),
         "vmpool_set_memory_fraction": (None, [c.c_double, c.c_int]),
+        "vmpool_record_history": (None, [c.c_int, c.c_size_t, c.c_int]),
+        "vmpool_history": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
     }
     for name, (restype, argtypes) in table.items():
         fn = getattr(lib, name)
@@ -249,19 +253,149 @@ def summary(device: int = 0) -> str:
     )
 
 
-def snapshot(device: int = 0) -> str:
-    """`device`'s address-space map (arenas, mapped units, free ranges,
-    spare chunks) as text; empty before the device's first allocation."""
-    lib = library()
+def _text(call: str, fn, *args) -> str:
+    """What `fn(*args, buf, len)` copies out, with a buffer large enough."""
     size = 1 << 16
     while True:
         buf = ctypes.create_string_buffer(size)
-        n = lib.vmpool_snapshot(device, buf, size)
+        n = fn(*args, buf, size)
         if n < 0:
-            raise VmpoolError(f"vmpool_snapshot({device}) failed (the reason is in vmpool's log on stderr)")
+            raise VmpoolError(f"vmpool_{call} failed (the reason is in vmpool's log on stderr)")
         if n < size:
             return buf.value.decode()
         size = n + 1
+
+
+def snapshot(device: int = 0) -> str:
+    """`device`'s address-space map (arenas, mapped units, free ranges,
+    spare chunks) as text; empty before the device's first allocation."""
+    return _text("snapshot", library().vmpool_snapshot, device)
+
+
+def device_count() -> int:
+    """The devices the history covers: PyTorch's count when it is loaded,
+    the host backend's, else 16 (devices that do not exist are skipped)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if backend() == "host":
+        return int(os.environ.get("VMPOOL_HOST_DEVICES", "1"))
+    return 16
+
+
+def record_history(enabled: bool = True, max_entries: int = 100_000, devices: int | None = None) -> None:
+    """Starts (afresh) or stops recording the memory history that
+    `memory_snapshot()` and `dump_snapshot()` give: the last `max_entries`
+    allocations, frees, refusals, and maps and unmaps of the pool's units,
+    with addresses, sizes, streams and times (no Python stacks). Off by
+    default; stopping keeps what was recorded."""
+    if max_entries < 1:
+        raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+    count = device_count() if devices is None else devices
+    library().vmpool_record_history(1 if enabled else 0, max_entries, count)
+
+
+def _blocks(start: int, end: int, free: list, live: list) -> list[dict]:
+    """The blocks of the segment [start, end): free ranges inactive, the
+    allocations recording saw active with their sizes, and the used bytes
+    between them (allocations older than the recording) active too."""
+    marks = [(s, s + n, "inactive", n) for s, n in free]
+    marks += [(a, a + n, "active_allocated", n) for a, n, _ in live]
+    blocks, cursor = [], start
+    for s, e, state, requested in sorted(m for m in marks if m[1] > start and m[0] < end):
+        s, e = max(s, cursor), min(e, end)
+        if e <= s:
+            continue
+        if s > cursor:
+            blocks.append(
+                {
+                    "address": cursor,
+                    "size": s - cursor,
+                    "requested_size": s - cursor,
+                    "state": "active_allocated",
+                    "frames": [],
+                }
+            )
+        size = e - s
+        blocks.append(
+            {
+                "address": s,
+                "size": size,
+                "requested_size": min(requested, size) if state != "inactive" else 0,
+                "state": state,
+                "frames": [],
+            }
+        )
+        cursor = e
+    if cursor < end:
+        blocks.append(
+            {
+                "address": cursor,
+                "size": end - cursor,
+                "requested_size": end - cursor,
+                "state": "active_allocated",
+                "frames": [],
+            }
+        )
+    return blocks
+
+
+def _segments(device: dict) -> list[dict]:
+    """PyTorch's segments for one device: runs of adjacent mapped units."""
+    runs: list[list[int]] = []
+    for va, size in sorted(device["units"]):
+        if runs and runs[-1][1] == va:
+            runs[-1][1] = va + size
+        else:
+            runs.append([va, va + size])
+    segments = []
+    for start, end in runs:
+        blocks = _blocks(start, end, device["free"], device["live"])
+        active = [b for b in blocks if b["state"] == "active_allocated"]
+        segments.append(
+            {
+                "device": device["device"],
+                "address": start,
+                "total_size": end - start,
+                "allocated_size": sum(b["size"] for b in active),
+                "active_size": sum(b["size"] for b in active),
+                "requested_size": sum(b["requested_size"] for b in active),
+                "stream": 0,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": True,
+                "frames": [],
+                "blocks": blocks,
+            }
+        )
+    return segments
+
+
+def memory_snapshot(devices: int | None = None) -> dict:
+    """The pools and the recorded history in the shape of PyTorch's
+    `torch.cuda.memory._snapshot()`: `segments` (runs of mapped units, with
+    their blocks) and `device_traces` (alloc, free_requested,
+    free_completed, segment_map, segment_unmap, oom), which
+    `torch.cuda._memory_viz` and the memory_viz page read."""
+    count = device_count() if devices is None else devices
+    data = json.loads(_text("history", library().vmpool_history, count))
+    traces: list[list[dict]] = [[] for _ in range(count)]
+    for action, device, addr, size, stream, time_us in data["entries"]:
+        while device >= len(traces):
+            traces.append([])
+        entry = {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": time_us, "frames": []}
+        if action == "oom":
+            entry["device_free"] = 0
+        traces[device].append(entry)
+    segments = [segment for device in data["devices"] for segment in _segments(device)]
+    return {"segments": segments, "device_traces": traces, "allocator_settings": {"allocator": "vmpool"}}
+
+
+def dump_snapshot(path: str = "dump_snapshot.pickle", devices: int | None = None) -> None:
+    """Writes `memory_snapshot()` to `path` as PyTorch's `_dump_snapshot`
+    does: a pickle for `python -m torch.cuda._memory_viz` or memory_viz."""
+    with open(path, "wb") as f:
+        pickle.dump(memory_snapshot(devices), f)
 
 
 def print_snapshot(device: int = 0) -> None:

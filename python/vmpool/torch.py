@@ -3,6 +3,9 @@
     import vmpool.torch
     vmpool.torch.install()      # before the first CUDA allocation
 
+    vmpool.torch.record_history()               # then, later:
+    vmpool.torch.dump_snapshot("snap.pickle")   # for torch.cuda._memory_viz / memory_viz
+
 or, with no change to the program:
 
     python -m vmpool.torch train.py ARGS...      (or: vmpool-torch train.py ARGS...)
@@ -27,10 +30,13 @@ __all__ = [
     "LibraryMismatchError",
     "Stats",
     "VmpoolError",
+    "dump_snapshot",
     "empty_cache",
     "install",
     "main",
+    "memory_snapshot",
     "print_snapshot",
+    "record_history",
     "reset_peaks",
     "snapshot",
     "stats",
@@ -89,6 +95,7 @@ def install() -> Any:
         getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(allocator)
     _redirect_torch_statistics(torch)
+    _redirect_torch_history(torch)
     return allocator
 
 
@@ -125,6 +132,47 @@ def _redirect_torch_statistics(torch: Any) -> None:
         module.memory_stats_as_nested_dict = memory_stats_as_nested_dict
         module.reset_peak_memory_stats = reset_peak_memory_stats
         module.memory_summary = memory_summary
+
+
+def _redirect_torch_history(torch: Any) -> None:
+    """PyTorch's memory snapshots (`torch.cuda.memory._record_memory_history`,
+    `_snapshot`, `_dump_snapshot`) raise for a pluggable allocator; pointed
+    at vmpool they record and give vmpool's history, in PyTorch's shape."""
+    memory = torch.cuda.memory
+
+    def _record_memory_history(enabled: Any = "all", *args: Any, max_entries: int = 100_000, **kwargs: Any) -> None:
+        record_history(enabled not in (None, False), max_entries)
+
+    def _snapshot(device: Device = None, *args: Any, **kwargs: Any) -> dict:
+        return memory_snapshot()
+
+    def _dump_snapshot(filename: str = "dump_snapshot.pickle", *args: Any, **kwargs: Any) -> None:
+        dump_snapshot(filename)
+
+    memory._record_memory_history = _record_memory_history
+    memory._snapshot = _snapshot
+    memory._dump_snapshot = _dump_snapshot
+
+
+def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
+    """Starts (afresh) or stops recording vmpool's memory history on every
+    CUDA device: the last `max_entries` allocations, frees, refusals, and
+    maps and unmaps of the pool's units. Off by default; once `install()`
+    ran, `torch.cuda.memory._record_memory_history()` does the same."""
+    _lib.record_history(enabled, max_entries)
+
+
+def memory_snapshot() -> dict:
+    """The pools and the history in the shape of
+    `torch.cuda.memory._snapshot()`."""
+    return _lib.memory_snapshot()
+
+
+def dump_snapshot(path: str = "dump_snapshot.pickle") -> None:
+    """Writes `memory_snapshot()` as a pickle that `torch.cuda._memory_viz`
+    and the memory_viz page read (`torch.cuda.memory._dump_snapshot()`
+    too, once `install()` ran)."""
+    _lib.dump_snapshot(path)
 
 
 def backend() -> str:
