@@ -1,0 +1,137 @@
+"""`vmpool.torch` against a stand-in for PyTorch (the calls `install()`
+makes, recorded), in processes of their own, on the host backend: what is
+hooked, what PyTorch's statistics and snapshot calls then return, and the
+launcher. The real PyTorch runs on the GPU (scripts/torch_wheel_check.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+FAKE_TORCH = {
+    "torch/__init__.py": """
+        from . import cuda
+
+        class OutOfMemoryError(RuntimeError):
+            pass
+    """,
+    "torch/cuda/__init__.py": """
+        from . import _utils, memory
+
+        def is_available():
+            return True
+
+        def device_count():
+            return 1
+
+        def current_device():
+            return 0
+    """,
+    "torch/cuda/_utils.py": """
+        def _get_device_index(device, optional=False):
+            return 0 if device is None else int(device)
+    """,
+    "torch/cuda/memory.py": """
+        current = None
+
+        class _Allocator:
+            def __init__(self):
+                self.hooks = {}
+
+            def __getattr__(self, name):
+                if not name.startswith("set_"):
+                    raise AttributeError(name)
+                return lambda fn: self.hooks.__setitem__(name, fn)
+
+        class CUDAPluggableAllocator:
+            def __init__(self, path, alloc, free):
+                self.args = (path, alloc, free)
+                self._allocator = _Allocator()
+
+            def allocator(self):
+                return self._allocator
+
+        def change_current_allocator(allocator):
+            global current
+            current = allocator
+    """,
+}
+
+
+@pytest.fixture()
+def fake_torch(tmp_path: Path) -> dict[str, str]:
+    for name, text in FAKE_TORCH.items():
+        path = tmp_path / "site" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    env = dict(os.environ, VMPOOL_BACKEND="host")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), *sys.path])
+    return env
+
+
+def _python(env: dict[str, str], *args: str, cwd: Path | None = None) -> str:
+    out = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_install_hooks_pytorch(fake_torch):
+    script = """
+        import torch
+        import vmpool, vmpool.torch
+
+        allocator = vmpool.torch.install()
+        assert torch.cuda.memory.current is allocator
+        assert allocator.args == (vmpool.library_path(), "vmpool_alloc", "vmpool_free")
+        assert sorted(allocator.allocator().hooks) == [
+            "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_memory_fraction_fn",
+            "set_record_stream_fn", "set_release_pool", "set_reset_fn",
+        ]
+        assert all(isinstance(fn, int) and fn for fn in allocator.allocator().hooks.values())
+
+        p = vmpool.alloc(3 << 20)
+        stats = torch.cuda.memory_stats_as_nested_dict()
+        assert stats["allocated_bytes"]["all"]["current"] == 3 << 20, stats
+        assert torch.cuda.memory_summary().startswith("vmpool on device 0 (host backend)")
+        assert vmpool.torch.stats(None).used_bytes == 3 << 20
+
+        torch.cuda.memory._record_memory_history(max_entries=100)
+        vmpool.free(p)
+        torch.cuda.empty_cache = None  # not hooked here: the C hook is
+        vmpool.torch.empty_cache()
+        snapshot = torch.cuda.memory._snapshot()
+        actions = [e["action"] for e in snapshot["device_traces"][0]]
+        assert actions[:2] == ["free_requested", "free_completed"] and "segment_unmap" in actions, actions
+
+        try:
+            vmpool.alloc(1 << 40)
+            raise AssertionError("no error")
+        except torch.OutOfMemoryError:
+            pass
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
+def test_the_launcher_runs_a_script_as_python_would(fake_torch, tmp_path):
+    (tmp_path / "work").mkdir()
+    train = tmp_path / "work" / "train.py"
+    train.write_text(
+        textwrap.dedent("""
+            import sys
+            import torch
+            assert __name__ == "__main__"
+            assert sys.path[0] == __import__("os").path.dirname(__file__), sys.path[0]
+            assert torch.cuda.memory.current is not None, "install() ran first"
+            print("argv", sys.argv[1:])
+        """)
+    )
+    out = _python(fake_torch, "-m", "vmpool.torch", str(train), "--steps", "3", cwd=tmp_path)
+    assert out.strip() == "argv ['--steps', '3']"
+    out = _python(fake_torch, "-m", "vmpool.torch", "-m", "train", "x", cwd=tmp_path / "work")
+    assert out.strip() == "argv ['x']"
