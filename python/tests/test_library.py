@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -122,3 +123,17 @@ def test_a_mismatch_can_be_allowed_with_a_warning(monkeypatch):
 def test_the_launcher_explains_itself():
     out = subprocess.run([sys.executable, "-m", "vmpool.torch"], capture_output=True, text=True)
     assert out.returncode == 2 and "usage: python -m vmpool.torch" in out.stderr
+
+
+def test_importing_starts_nothing():
+    # Without a GPU the CUDA backend cannot start; importing must not try
+    # (nor exiting afterwards).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMPOOL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import vmpool, vmpool.torch; print(vmpool.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == vmpool.__version__
+    assert out.stderr == ""

@@ -188,6 +188,11 @@ def check_library(lib: ctypes.CDLL, path: str) -> None:
     raise LibraryMismatchError(message)
 
 
+def _flush_traces(lib: ctypes.CDLL) -> None:
+    if os.environ.get("VMPOOL_RECORD"):
+        lib.vmpool_flush_traces()
+
+
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
 
@@ -202,8 +207,9 @@ def library() -> ctypes.CDLL:
             check_library(lib, path)
             _signatures(lib)
             # The pools are never dropped: traces being recorded
-            # (VMPOOL_RECORD) are written out at exit.
-            atexit.register(lib.vmpool_flush_traces)
+            # (VMPOOL_RECORD) are written out at exit. Only then: the call
+            # would start a library nothing used.
+            atexit.register(_flush_traces, lib)
             _lib = lib
     return _lib
 
