@@ -11,6 +11,9 @@
 //! stream-ordered vmpool pool on first use, and each graph-pool id one of
 //! its own; the caller's streams become vmpool streams; configuration comes
 //! from the environment ([`config::Config`], README.md's "PyTorch" section).
+//! The Python package checks [`vmpool_version`], [`vmpool_abi`] and
+//! [`vmpool_stats_size`] at load, and turns [`vmpool_history`] (recorded
+//! after [`vmpool_record_history`]) into PyTorch's memory snapshots.
 //!
 //! A C caller can only get NULL or -1 back, so every failure is logged
 //! with its reason at level error (through `tracing`, to stderr, filtered
@@ -18,13 +21,15 @@
 //! A library that cannot start (a bad setting, no driver) says so on
 //! stderr whatever the filter. A free of a pointer vmpool does not own
 //! changes nothing and is counted; the first ones are logged in full, then
-//! only a count (`refusals`). Nothing a caller passes is dereferenced.
-//! Panics are caught at this boundary.
+//! only a count (`refusals`). Nothing a caller passes is dereferenced but
+//! the buffers [`vmpool_snapshot`] and [`vmpool_history`] fill. Panics are
+//! caught at this boundary.
 //!
 //! This file is the only place outside `vmm` with `unsafe` code: the
-//! exported symbols, and wrapping the caller's stream handles
-//! (`Backend::borrow_stream`). Everything else is safe: the calls in
-//! [`shim`], the settings in [`config`], the pointer and stream tables in
+//! exported symbols, wrapping the caller's stream handles
+//! (`Backend::borrow_stream`), and filling the caller's buffers. Everything
+//! else is safe: the calls in [`shim`], the settings in [`config`], the
+//! memory history in [`history`], the pointer and stream tables in
 //! `pointers` and `streams`; graph pools are the library's
 //! ([`vmpool::GraphPools`]).
 
