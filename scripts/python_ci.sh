@@ -2,8 +2,9 @@
 # The Python package's checks, as CI runs them: builds the wheel the way a
 # user does (`pip wheel --no-deps .`, needing Rust and PyPI, not CUDA),
 # installs it into a fresh virtual environment, checks its manylinux tag,
-# then lints and formats (ruff) and runs python/tests (pytest) against the
-# installed package, on vmpool's host backend.
+# then lints and formats (ruff), checks the type hints (mypy) and runs
+# python/tests (pytest) against the installed package, on vmpool's host
+# backend.
 #
 #   bash scripts/python_ci.sh
 set -euo pipefail
@@ -19,7 +20,7 @@ wheel=$(ls "$work"/dist/vmpool-*.whl)
 echo "built $(basename "$wheel")"
 
 python3 -m venv "$work/test"
-"$work/test/bin/pip" install --quiet "$wheel" pytest ruff auditwheel
+"$work/test/bin/pip" install --quiet "$wheel" pytest ruff mypy auditwheel
 "$work/test/bin/auditwheel" show "$wheel" | tr '\n' ' ' | grep -q "consistent with the following platform tag: \"manylinux_2_[0-9]*_x86_64\"" ||
     { "$work/test/bin/auditwheel" show "$wheel"; echo "the wheel's manylinux tag does not hold" >&2; exit 1; }
 # The installed package, with the library it carries, and their versions.
@@ -32,6 +33,7 @@ print("vmpool", vmpool.__version__, "from", vmpool.library_path())
 
 "$work/test/bin/ruff" check
 "$work/test/bin/ruff" format --check
+"$work/test/bin/mypy"
 # From the repository's root, `import vmpool` finds the installed package
 # (the source is under python/, not on the path).
 "$work/test/bin/python" -m pytest python/tests
