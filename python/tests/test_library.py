@@ -137,3 +137,21 @@ def test_importing_starts_nothing():
     )
     assert out.returncode == 0 and out.stdout.strip() == vmpool.__version__
     assert out.stderr == ""
+
+
+def test_an_older_library_let_in_lacks_only_what_it_lacks(monkeypatch):
+    # VMPOOL_ALLOW_MISMATCH=1 lets in a build from before the version
+    # exports (A/B runs); the functions it has are declared, the rest fail
+    # when called.
+    monkeypatch.setenv("VMPOOL_ALLOW_MISMATCH", "1")
+
+    class Old:
+        def __init__(self):
+            self.vmpool_alloc = _Fn(0)
+
+    old = Old()
+    with pytest.warns(RuntimeWarning, match="no version"):
+        _lib.check_library(old, "old.so")
+    _lib._signatures(old)
+    assert old.vmpool_alloc.restype is ctypes.c_void_p
+    assert not hasattr(old, "vmpool_history")

@@ -148,7 +148,12 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_history": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
     }
     for name, (restype, argtypes) in table.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            # An older build let in by VMPOOL_ALLOW_MISMATCH: what it lacks
+            # fails when called.
+            continue
         fn.restype = restype
         fn.argtypes = argtypes
 
