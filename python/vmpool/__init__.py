@@ -6,7 +6,7 @@ virtual-memory API, here as a Python package around its C library.
 
 `vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
 `empty_cache()`, the memory history (`record_history()`,
-`dump_snapshot()`) and the raw `alloc()` / `free()` work on any backend
+`dump_snapshot()`), `sleep()` / `wake()` and the raw `alloc()` / `free()` work on any backend
 (VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
 and refuses one of another version (`LibraryMismatchError`).
 """
@@ -31,10 +31,13 @@ from ._lib import (
     print_snapshot,
     record_history,
     reset_peaks,
+    set_retention,
+    sleep,
     snapshot,
     stats,
     summary,
     synchronize,
+    wake,
 )
 from ._version import __version__
 
@@ -61,8 +64,11 @@ __all__ = [
     "print_snapshot",
     "record_history",
     "reset_peaks",
+    "set_retention",
+    "sleep",
     "snapshot",
     "stats",
     "summary",
     "synchronize",
+    "wake",
 ]

@@ -146,6 +146,9 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_set_memory_fraction": (None, [c.c_double, c.c_int]),
         "vmpool_record_history": (None, [c.c_int, c.c_size_t, c.c_int]),
         "vmpool_history": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
+        "vmpool_set_retention": (c.c_int, [c.c_int]),
+        "vmpool_sleep": (c.c_int, [c.c_int]),
+        "vmpool_wake": (c.c_int, []),
     }
     for name, (restype, argtypes) in table.items():
         try:
@@ -434,6 +437,32 @@ def empty_cache(device: int | None = None) -> None:
         return
     synchronize(device)
     _check("trim", library().vmpool_trim(device, 0))
+
+
+def set_retention(keep: bool) -> None:
+    """What `sleep(1)` does with the bytes of every device's pool: kept in
+    host memory until `wake()` (`keep`), or dropped (the default)."""
+    _check("set_retention", library().vmpool_set_retention(int(keep)))
+
+
+def sleep(level: int = 1) -> None:
+    """Gives every device pool's memory back while every pointer into it
+    stays valid, as vLLM's sleep mode: level 1 keeps the bytes of pools
+    whose retention keeps them (`set_retention(True)`), level 2 keeps
+    nothing. Waits for the streams vmpool has seen. Until `wake()`,
+    allocations fail; work that touches the memory faults. CUDA graphs'
+    pools stay awake."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level {level}: 1 or 2")
+    _check("sleep", library().vmpool_sleep(level))
+
+
+def wake() -> None:
+    """Maps every sleeping pool's memory back at the same addresses and
+    copies the kept bytes back. Raises `VmpoolError` when the device lacks
+    the memory; the pool then stays asleep, its bytes on the host, and
+    `wake()` can be called again once memory is free."""
+    _check("wake", library().vmpool_wake())
 
 
 def _out_of_memory(message: str) -> Exception:

@@ -218,6 +218,28 @@ def empty_cache(device: Device = None) -> None:
     _lib.empty_cache(_index(device))
 
 
+def set_retention(keep: bool) -> None:
+    """What `sleep(1)` does with the bytes of every device's pool: kept in
+    host memory until `wake()` (`keep`, for a model's weights), or dropped
+    (the default, for a cache)."""
+    _lib.set_retention(keep)
+
+
+def sleep(level: int = 1) -> None:
+    """Gives the GPU memory back while every tensor's pointer stays valid,
+    as vLLM's sleep mode: level 1 keeps the bytes when `set_retention(True)`
+    was called, level 2 keeps nothing. `torch.cuda.mem_get_info()` shows the
+    memory free until `wake()`; allocating meanwhile fails. CUDA graphs
+    captured before the sleep replay after the wake (their own pools stay
+    awake)."""
+    _lib.sleep(level)
+
+
+def wake() -> None:
+    """Brings the memory back at the same addresses, the kept bytes with it."""
+    _lib.wake()
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m vmpool.torch SCRIPT ARGS...` (or `-m MODULE ARGS...`):
     installs vmpool, then runs the program as `python SCRIPT ARGS...`

@@ -1,0 +1,50 @@
+"""Sleep and wake through the package, on the host backend, in a process of
+their own: a sleep reaches every device's pool, which other tests share."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes
+    import vmpool
+
+    MIB = 1 << 20
+    vmpool.set_retention(True)
+    ptr = vmpool.alloc(4 * MIB)
+    ctypes.memset(ptr, 0xA5, 4 * MIB)
+    reserved = vmpool.stats().reserved_bytes
+    vmpool.sleep(1)
+    assert vmpool.stats().reserved_bytes == 0
+    try:
+        vmpool.alloc(MIB)
+    except vmpool.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("an allocation while asleep")
+    vmpool.wake()
+    assert vmpool.stats().reserved_bytes == reserved
+    assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
+    vmpool.sleep(2)
+    vmpool.wake()
+    try:
+        vmpool.sleep(3)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("level 3")
+    vmpool.free(ptr, size=4 * MIB)
+    print("ok")
+    """
+)
+
+
+def test_sleep_and_wake_keep_the_bytes_at_their_addresses():
+    env = dict(os.environ, VMPOOL_BACKEND="host", VMPOOL_HOST_DEVICES="1", VMPOOL_LOG="off")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
