@@ -5,7 +5,7 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [wheel] [c-calls] [multi]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [c-calls] [multi]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
@@ -27,6 +27,10 @@
 # sleep: examples/sleep_wake.rs, a pool keeping SLEEP_GIB GiB (default
 # 1,10,40) put to sleep and woken, timed beside the page-locked copy
 # bandwidth, every kept byte checked.
+#
+# torch-sleep: scripts/torch_sleep.py, sleep and wake under PyTorch: a
+# model's outputs and a CUDA graph's replay equal across them, the memory
+# free while asleep.
 #
 # wheel: scripts/torch_wheel_check.py: the wheel installed into a fresh
 # environment, training under vmpool.torch.install() and the launcher
@@ -87,7 +91,7 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | record-stream | graphs | limits | stats | wheel) parts=torch ;;
+    torch | record-stream | graphs | limits | stats | wheel | torch-sleep) parts=torch ;;
     *) parts= ;;
     esac
     missing=
@@ -142,6 +146,9 @@ for job in $jobs; do
         ;;
     graphs)
         run "pytorch graphs" python3 "$here/torch/torch_graphs.py"
+        ;;
+    torch-sleep)
+        run "pytorch sleep and wake" python3 "$here/torch/torch_sleep.py"
         ;;
     limits)
         run "pytorch limits" python3 "$here/torch/torch_limits.py"
