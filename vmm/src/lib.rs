@@ -11,7 +11,7 @@
 //!      ├── memory.rs   Reservation / Chunk / Mapping: teardown order by ownership
 //!      ├── ranges.rs   the reservation and mapping tables both backends
 //!      │               check every call against
-//!      ├── cuda/       CUDA driver API through cudarc's sys layer, dlopen'd
+//!      ├── cuda/       CUDA driver API, libcuda opened at run time
 //!      ├── host/       the same model on Linux: memfd chunks mmap'd into a
 //!      │               PROT_NONE reservation, streams as worker threads
 //!      └── testing/    (feature `testing`) work for tests to queue on a

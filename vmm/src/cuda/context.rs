@@ -4,7 +4,7 @@ use std::ffi::c_int;
 #[cfg(feature = "testing")]
 use std::sync::Mutex;
 
-use cudarc::driver::sys;
+use super::sys;
 
 use super::result;
 use crate::error::report_drop_error;

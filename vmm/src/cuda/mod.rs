@@ -10,15 +10,18 @@
 //!      │                    a delay kernel, graph captures
 //!   result.rs               one checked function per driver call:
 //!      │                    CUresult -> crate::Result, `# Safety` on each
-//!   cudarc::driver::sys     raw bindings, resolved from libcuda by dlopen
+//!   sys.rs                  the types of `cuda.h` used, and the entry
+//!                           points, resolved from libcuda.so.1 by dlopen
 //! ```
 //!
-//! **Dynamic loading.** Nothing links against libcuda: cudarc resolves each
-//! entry point the first time it is called. vmm therefore builds, and its
-//! host backend runs, on machines with no driver at all (CI, laptops), and
-//! [`Cuda::new`] says [`ErrorKind::DriverUnavailable`] there instead of the
-//! process failing to start. It checks that the library can be loaded before
-//! the first driver call, because cudarc panics when it cannot.
+//! **Dynamic loading.** Nothing links against libcuda: [`Cuda::new`] opens
+//! it and resolves every entry point vmm uses, once per process. vmm
+//! therefore builds, and its host backend runs, on machines with no driver
+//! at all (CI, laptops), and [`Cuda::new`] says
+//! [`ErrorKind::DriverUnavailable`] there instead of the process failing to
+//! start. Loading the driver itself, rather than through a binding crate,
+//! leaves the CUDA version and the linking mode of any binding crate beside
+//! vmm (cudarc's features) to the program.
 //!
 //! **Contexts.** [`Cuda::new`] retains every device's primary context (the
 //! one the runtime API and most libraries share) and keeps it until the
@@ -55,14 +58,13 @@ mod context;
 pub mod peers;
 mod result;
 mod staging;
+mod sys;
 #[cfg(feature = "testing")]
 mod testing;
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-use cudarc::driver::sys;
 
 use self::context::DeviceContext;
 pub use self::staging::CudaHostBuffer;
@@ -147,13 +149,11 @@ impl Cuda {
     /// context. Fails with [`ErrorKind::DriverUnavailable`] when there is no
     /// driver library, it cannot be initialised, or it sees no device.
     pub fn new() -> Result<Arc<Self>> {
-        // SAFETY: only dlopens (and closes again) the driver library under
-        // its usual names; its initialisers expect to be run that way.
-        if !unsafe { sys::is_culib_present() } {
+        if let Err(why) = sys::load() {
             return Err(Error::rejected(
                 "Cuda::new",
                 ErrorKind::DriverUnavailable,
-                "the CUDA driver library (libcuda) could not be loaded",
+                why,
             ));
         }
         result::init().map_err(driver_unavailable)?;
@@ -537,8 +537,8 @@ impl Backend for Cuda {
         let _mapped = self.mapped("get_access", va, 1)?;
         let _bound = self.first().bind()?;
         let flags = result::mem_get_access(ordinal, va.0)?;
-        let read = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ as u64;
-        let read_write = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
+        let read = u64::from(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ.0);
+        let read_write = u64::from(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE.0);
         Ok(match flags {
             f if f == read_write => Access::ReadWrite,
             f if f == read => Access::Read,

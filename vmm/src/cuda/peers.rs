@@ -25,8 +25,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-use cudarc::driver::sys::CUmemPool_attribute as Attr;
+use super::sys;
+use super::sys::CUmemPool_attribute as Attr;
 
 use super::context::DeviceContext;
 use super::{result, Cuda, CudaStream};

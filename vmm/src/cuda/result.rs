@@ -8,15 +8,15 @@
 //! that only create things, or only read state into out-parameters they own,
 //! are safe.
 //!
-//! Every function here calls into the lazily loaded driver library; the caller
-//! ([`super::Cuda::new`]) checks that it can be loaded before the first call,
-//! since a missing library is a panic inside cudarc rather than an error.
+//! Every function here calls into the driver library loaded by
+//! [`super::sys::load`], which [`super::Cuda::new`] calls before the first
+//! of them; without it each call fails with `CUDA_ERROR_NOT_INITIALIZED`.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
-use cudarc::driver::sys::{self, CUresult};
+use super::sys::{self, CUresult};
 
 use crate::{Error, ErrorKind, EventStatus, Result};
 
@@ -33,7 +33,7 @@ fn error(call: &'static str, code: CUresult) -> Error {
     Error::Cuda {
         call,
         kind: kind_of(code),
-        code: code as u32,
+        code: code.0,
         name: error_text(code, sys::cuGetErrorName).unwrap_or_else(|| format!("{code:?}")),
         description: error_text(code, sys::cuGetErrorString)
             .unwrap_or_else(|| "no description from the driver".to_owned()),
@@ -226,7 +226,7 @@ fn pinned_on(ordinal: c_int) -> sys::CUmemAllocationProp {
             id: ordinal,
         },
         win32HandleMetaData: ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+        allocFlags: sys::CUmemAllocationProp_allocFlags {
             compressionType: 0,
             gpuDirectRDMACapable: 0,
             usage: 0,
@@ -437,7 +437,7 @@ pub(crate) fn stream_create(flags: sys::CUstream_flags) -> Result<sys::CUstream>
     let mut stream = ptr::null_mut();
     // SAFETY: `stream` is a valid place for the new handle.
     check("cuStreamCreate", unsafe {
-        sys::cuStreamCreate(&mut stream, flags as c_uint)
+        sys::cuStreamCreate(&mut stream, flags.0)
     })?;
     Ok(stream)
 }
@@ -530,7 +530,7 @@ pub(crate) fn event_create(flags: sys::CUevent_flags) -> Result<sys::CUevent> {
     let mut event = ptr::null_mut();
     // SAFETY: `event` is a valid place for the new handle.
     check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut event, flags as c_uint)
+        sys::cuEventCreate(&mut event, flags.0)
     })?;
     Ok(event)
 }

@@ -5,9 +5,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use cudarc::driver::sys;
-
-use super::{result, Cuda, CudaStream};
+use super::{result, sys, Cuda, CudaStream};
 use crate::error::report_drop_error;
 use crate::{HostBuffer, HostCopy, Result};
 
@@ -115,6 +113,10 @@ impl Cuda {
 
 // ---- the driver calls only copies through host memory make ----------------
 
+/// `CU_MEMHOSTALLOC_PORTABLE`: page-locked for every context, not only the
+/// current one.
+const CU_MEMHOSTALLOC_PORTABLE: std::ffi::c_uint = 0x01;
+
 /// `cuMemcpyHtoDAsync_v2`: queues a copy of `src.len()` bytes to `dst`.
 ///
 /// # Safety
@@ -142,7 +144,7 @@ fn mem_host_alloc(size: usize) -> Result<*mut c_void> {
     // SAFETY: `ptr` is a valid place for the result; the driver checks the
     // size and flags.
     result::check("cuMemHostAlloc", unsafe {
-        sys::cuMemHostAlloc(&mut ptr, size, sys::CU_MEMHOSTALLOC_PORTABLE)
+        sys::cuMemHostAlloc(&mut ptr, size, CU_MEMHOSTALLOC_PORTABLE)
     })?;
     Ok(ptr)
 }

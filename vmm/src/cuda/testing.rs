@@ -7,7 +7,7 @@ use std::ptr;
 use std::sync::PoisonError;
 use std::time::Duration;
 
-use cudarc::driver::sys;
+use super::sys;
 
 use super::context::DeviceContext;
 use super::{result, Cuda, CudaStream};
