@@ -32,16 +32,39 @@ edition = "2021"
 publish = false
 
 [dependencies]
-vmpool = { path = "$root" }
+vmpool = { path = "$root", features = ["cudarc"] }
 cudarc = { version = "0.19", default-features = false, features = ["std", "driver", "$mode", "$version"] }
 
 [workspace]
 TOML
     cat >"$crate/src/main.rs" <<'RUST'
-// Uses both crates, so that each is checked as the program sees it.
+// Uses both crates together, so that the interop is checked as a program
+// sees it (never run).
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
+use vmpool::vmm::cuda::Cuda;
+use vmpool::{Buffer, Context};
+
 fn main() {
-    let _ = cudarc::driver::CudaContext::new(0);
-    let _ = vmpool::Context::new(vmpool::vmm::cuda::Cuda::new().expect("driver"));
+    if std::env::args().count() > 99 {
+        let _ = interop(None);
+    }
+}
+
+fn interop(f: Option<&CudaFunction>) -> Result<(), Box<dyn std::error::Error>> {
+    let ctx = Context::new(Cuda::new()?)?;
+    let cu = CudaContext::new(0)?;
+    let cu_stream = cu.new_stream()?;
+    let stream = ctx.adopt_cudarc_stream(&cu_stream)?;
+    let mut x: Buffer<f32, Cuda> = ctx.alloc_buffer(16, &stream)?;
+    cu_stream.memcpy_htod(&[1.0f32; 16], &mut x)?;
+    let f = f.ok_or("no kernel")?;
+    let mut launch = cu_stream.launch_builder(f);
+    launch.arg(&mut x);
+    // SAFETY: never run; this checks that the types line up.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(16)) }?;
+    let _back: Vec<f32> = cu_stream.clone_dtoh(&x)?;
+    let _handle: usize = stream.raw().handle();
+    Ok(())
 }
 RUST
     echo "== vmpool beside cudarc ($version, $mode)"

@@ -6,7 +6,9 @@ use crate::arena::ArenaId;
 use crate::heap::BlockId;
 
 /// A live allocation. Not `Clone`: it is consumed by [`crate::Pool::free`],
-/// so a double free does not compile.
+/// so a double free does not compile. Dropping one without a free leaks
+/// its memory until the pool goes; [`crate::Buffer`] frees on drop.
+#[must_use = "an allocation dropped without a free leaks until its pool goes"]
 #[derive(Debug)]
 pub struct Allocation {
     pub(crate) ptr: DevicePtr,

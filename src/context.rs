@@ -11,7 +11,7 @@ use crate::capture::{Captures, GraphCapture};
 use crate::ordering::{Event, Stream, StreamShared};
 use crate::pool::{Pool, Siblings, WeakPool};
 use crate::sync::lock;
-use crate::{Allocation, PoolProps};
+use crate::{Allocation, Buffer, PoolProps};
 use crate::{Error, Result};
 
 struct DeviceSlot<B: Backend> {
@@ -29,6 +29,15 @@ pub struct Context<B: Backend> {
     devices: Vec<DeviceSlot<B>>,
     /// Graph captures announced and not yet ended (see `capture.rs`).
     captures: Arc<Captures>,
+}
+
+impl<B: Backend> std::fmt::Debug for Context<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("backend", &std::any::type_name::<B>())
+            .field("devices", &self.devices.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<B: Backend> Context<B> {
@@ -210,6 +219,12 @@ impl<B: Backend> Context<B> {
     }
 
     /// Frees in stream order to the allocation's own pool (`cudaFreeAsync`).
+    /// A [`Buffer`] of `len` values of `T` from the current pool of
+    /// `stream`'s device, on `stream`; freed on it when dropped.
+    pub fn alloc_buffer<T>(&self, len: usize, stream: &Stream<B>) -> Result<Buffer<T, B>> {
+        Buffer::alloc(&self.current_pool(stream.device())?, len, stream)
+    }
+
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
         // Usually the device's current pool: found without a search (and
         // without creating a default pool just to look at it).

@@ -3,8 +3,11 @@
 
 mod allocation;
 mod arena;
+mod buffer;
 mod capture;
 mod context;
+#[cfg(feature = "cudarc")]
+mod cudarc;
 mod error;
 mod exports;
 mod graph_pools;
@@ -22,6 +25,7 @@ pub mod trace;
 mod va;
 
 pub use allocation::Allocation;
+pub use buffer::Buffer;
 pub use capture::GraphCapture;
 pub use context::Context;
 pub use error::{Error, Result};

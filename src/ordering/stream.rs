@@ -126,6 +126,15 @@ impl<B: Backend> PartialEq for Stream<B> {
 
 impl<B: Backend> Eq for Stream<B> {}
 
+impl<B: Backend> std::fmt::Debug for Stream<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.0.id)
+            .field("device", &self.0.device)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<B: Backend> Stream<B> {
     pub(crate) fn new(raw: B::Stream, device: DeviceId) -> Self {
         Self(Arc::new(StreamShared {
@@ -158,10 +167,21 @@ pub(crate) struct Captured {
     pub(crate) clock: Clock,
 }
 
+/// A point in a stream's work, recorded with [`crate::Context::record_event`]
+/// and waited for by streams or the host, as CUDA's events.
 pub struct Event<B: Backend> {
     pub(crate) raw: B::Event,
     pub(crate) device: DeviceId,
     pub(crate) captured: Mutex<Option<Captured>>,
+}
+
+impl<B: Backend> std::fmt::Debug for Event<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event")
+            .field("device", &self.device)
+            .field("recorded", &self.captured().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<B: Backend> Event<B> {

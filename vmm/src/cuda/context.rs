@@ -55,6 +55,12 @@ impl DeviceContext {
         self.ordinal
     }
 
+    /// The driver's handle of the context.
+    #[cfg(feature = "cudarc")]
+    pub(super) fn raw(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
     /// The driver's handle of the device.
     pub(super) fn device(&self) -> sys::CUdevice {
         self.device

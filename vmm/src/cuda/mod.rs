@@ -55,6 +55,8 @@
 //! allocation's size; a wrong one fails at `cuMemMap`.
 
 mod context;
+#[cfg(feature = "cudarc")]
+mod interop;
 pub mod peers;
 mod result;
 mod staging;
@@ -288,12 +290,22 @@ pub struct CudaStream {
     context: Arc<DeviceContext>,
     /// Made by vmm, and destroyed when dropped; else borrowed.
     owned: bool,
+    /// The cudarc stream it was adopted from, kept alive with it.
+    #[cfg(feature = "cudarc")]
+    cudarc: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 impl CudaStream {
     /// The driver's handle, live until `self` is dropped.
     pub(crate) fn raw(&self) -> sys::CUstream {
         self.stream
+    }
+
+    /// The driver's `CUstream`, as an integer (0 for the legacy default
+    /// stream), for handing to another CUDA library: it stays valid while
+    /// `self` (or the vmpool stream holding it) lives.
+    pub fn handle(&self) -> usize {
+        self.stream as usize
     }
 
     /// The context the stream was created in.
@@ -613,6 +625,8 @@ impl Backend for Cuda {
             stream,
             context: Arc::clone(context),
             owned: true,
+            #[cfg(feature = "cudarc")]
+            cudarc: None,
         })
     }
 
@@ -632,6 +646,8 @@ impl Backend for Cuda {
             stream: handle as sys::CUstream,
             context: Arc::clone(context),
             owned: false,
+            #[cfg(feature = "cudarc")]
+            cudarc: None,
         })
     }
 
