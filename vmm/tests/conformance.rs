@@ -6,6 +6,9 @@
 //! Cases that would poison a CUDA context (a kernel touching memory without
 //! access is a sticky illegal-address error) are host-only, at the bottom.
 
+// The package is `vmpool-driver`; the workspace knows it as `vmm`.
+extern crate vmpool_driver as vmm;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

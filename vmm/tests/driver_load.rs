@@ -1,6 +1,9 @@
 //! Opening the CUDA backend never panics: on a machine without the driver
 //! library (CI) it is a `DriverUnavailable` error naming what was tried.
 
+// The package is `vmpool-driver`; the workspace knows it as `vmm`.
+extern crate vmpool_driver as vmm;
+
 use vmm::cuda::Cuda;
 use vmm::ErrorKind;
 

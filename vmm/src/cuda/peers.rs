@@ -48,8 +48,8 @@ fn next_id() -> u64 {
 /// process exits.
 ///
 /// ```compile_fail
-/// # use vmm::cuda::peers::{CudaMalloc, PeerAllocation};
-/// fn double_free(malloc: &CudaMalloc, a: PeerAllocation) -> vmm::Result<()> {
+/// # use vmpool_driver::cuda::peers::{CudaMalloc, PeerAllocation};
+/// fn double_free(malloc: &CudaMalloc, a: PeerAllocation) -> vmpool_driver::Result<()> {
 ///     malloc.free(a)?;
 ///     malloc.free(a) // use of moved value
 /// }
