@@ -106,3 +106,20 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What [`crate::Pool::audit`] found wrong: each way the pool's tables
+/// disagree with one another or with its totals. Displayed as the problems
+/// joined by `; `.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditError {
+    /// One line per problem found, in the order checked.
+    pub problems: Vec<String>,
+}
+
+impl std::fmt::Display for AuditError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pool audit: {}", self.problems.join("; "))
+    }
+}
+
+impl std::error::Error for AuditError {}

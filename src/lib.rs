@@ -28,7 +28,7 @@ pub use allocation::Allocation;
 pub use buffer::Buffer;
 pub use capture::GraphCapture;
 pub use context::Context;
-pub use error::{Error, Result};
+pub use error::{AuditError, Error, Result};
 pub use graph_pools::{
     Closed, GraphAllocation, GraphPoolError, GraphPoolId, GraphPools, GraphPoolsStats,
 };

@@ -6,8 +6,15 @@ use std::path::PathBuf;
 use vmm::DeviceId;
 
 /// Properties fixed when a pool is created (as `cudaMemPoolProps`).
+///
+/// Built with struct-update syntax from [`PoolProps::new`]:
+/// `PoolProps { max_size: Some(1 << 30), ..PoolProps::new(device) }`. It is
+/// deliberately not `#[non_exhaustive]`, which would forbid that syntax
+/// outside this crate; a field added later comes with a default in `new`,
+/// so code written this way keeps compiling.
 #[derive(Debug, Clone)]
 pub struct PoolProps {
+    /// The device whose memory the pool holds.
     pub device: DeviceId,
     /// Most physical bytes the pool may hold; `None`: no limit but the
     /// device's memory. [`crate::Pool::set_max_size`] changes it later.
@@ -54,6 +61,7 @@ pub struct PoolProps {
 
 /// The kinds of handle a pool's memory can be exported as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum HandleType {
     /// Not shareable (the default).
     #[default]

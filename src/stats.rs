@@ -3,6 +3,7 @@
 
 /// Attributes readable and settable as with `cudaMemPoolGetAttribute`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PoolAttribute {
     /// Bytes the pool may keep cached across a synchronization.
     ReleaseThreshold,
@@ -32,6 +33,7 @@ impl PoolAttribute {
 
 /// What the pool has done, beyond CUDA's attributes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     pub allocations: u64,
     pub frees: u64,
@@ -86,6 +88,7 @@ pub struct PoolStats {
 /// A picture of a pool's address space: for a debug dump (its `Display`
 /// is a readable listing) and for drawing.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct PoolSnapshot {
     pub base: u64,
     pub va_size: u64,
@@ -102,6 +105,7 @@ pub struct PoolSnapshot {
 
 /// One mapped chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct UnitView {
     pub va: u64,
     pub size: u64,

@@ -520,7 +520,8 @@ impl World {
         }
         prop_assert_eq!(self.table.lock().unwrap().len(), all.len());
         for (pool, rounded) in self.pools.iter().zip(rounded) {
-            pool.audit().map_err(TestCaseError::fail)?;
+            pool.audit()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
             let used = pool.attribute(PoolAttribute::UsedMemCurrent);
             prop_assert!(
                 rounded <= used && used <= rounded + rounded / 8,

@@ -117,7 +117,7 @@ proptest! {
                         prop_assert!(st.reserved_bytes <= keep || st.spare_bytes == 0);
                     }
                 }
-                pool.audit().map_err(TestCaseError::fail)?;
+                pool.audit().map_err(|e| TestCaseError::fail(e.to_string()))?;
                 let used: u64 = live.iter().map(|(a, _)| a.size().next_multiple_of(256)).sum();
                 prop_assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), used);
                 let mut spans: Vec<(u64, u64)> = live.iter().map(|(a, _)| (a.ptr().0, a.size())).collect();

@@ -44,7 +44,7 @@ fn a_recorded_trace_replays() {
         .iter()
         .filter_map(|op| match op {
             TraceOp::Alloc { size, .. } => Some(*size),
-            TraceOp::Free { .. } => None,
+            _ => None,
         })
         .collect();
     assert_eq!(allocs, [1000, 5 << 20, 77, 40 << 20, 123_456, 123_456]);
@@ -56,6 +56,7 @@ fn a_recorded_trace_replays() {
         match *op {
             TraceOp::Alloc { slot, size, .. } => live[slot] = Some(pool.allocate(size).unwrap()),
             TraceOp::Free { slot, .. } => pool.free(live[slot].take().unwrap()).unwrap(),
+            _ => unreachable!("the trace holds allocations and frees only"),
         }
     }
     assert_eq!(pool.stats().used_bytes, 0);

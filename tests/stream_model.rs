@@ -178,7 +178,7 @@ proptest! {
                     Op::SyncDevice => ctx.synchronize_device(DEV).unwrap(),
                     Op::Trim => pool.trim_to(0).unwrap(),
                 }
-                pool.audit().map_err(TestCaseError::fail)?;
+                pool.audit().map_err(|e| TestCaseError::fail(e.to_string()))?;
                 // Used bytes: each live allocation's block, its size rounded
                 // up to 256 bytes, or up to 1/8 more where a pending block
                 // of a near size was reused. Each step allocates or frees

@@ -115,6 +115,7 @@ fn main() -> Result<()> {
                     let (ptr, size) = std::mem::replace(&mut live[slot], (std::ptr::null_mut(), 0));
                     vmpool_free(ptr, size, DEVICE, stream);
                 }
+                _ => bail!("a trace operation of a kind this example does not know"),
             }
         }
         let ns = (start.elapsed() - touching).as_secs_f64() * 1e9 / trace.ops.len() as f64;

@@ -6,6 +6,7 @@ use vmm::Backend;
 use super::inner::Inner;
 use crate::stats::{PoolSnapshot, PoolStats};
 use crate::va::Va;
+use crate::AuditError;
 
 pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
     let pending = inner.streams.totals();
@@ -79,7 +80,7 @@ pub(super) fn snapshot<B: Backend>(inner: &Inner<B>, va_size: u64) -> PoolSnapsh
 /// against the heaps' free ranges, mapped bytes against free and allocated
 /// ones, the heaps' regions against the runs of units, and the chunk count
 /// against those created and released.
-pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), String> {
+pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), AuditError> {
     let mut problems = Vec::new();
     // Pending frees still in their streams' lists are allocated in the
     // heap; guarded ones are free there.
@@ -159,6 +160,6 @@ pub(super) fn audit<B: Backend>(inner: &Inner<B>) -> std::result::Result<(), Str
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(problems.join("; "))
+        Err(AuditError { problems })
     }
 }

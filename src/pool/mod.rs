@@ -618,7 +618,7 @@ impl<B: Backend> Pool<B> {
 
     /// Recounts the pool from its own tables and checks them against the
     /// running totals; returns what disagrees. For tests and debugging.
-    pub fn audit(&self) -> std::result::Result<(), String> {
+    pub fn audit(&self) -> std::result::Result<(), crate::AuditError> {
         audit::audit(&self.lock())
     }
 }

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TraceOp {
     Alloc { slot: usize, size: u64, stream: u64 },
     Free { slot: usize, stream: u64 },
@@ -30,6 +31,7 @@ pub struct Trace {
 }
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TraceError {
     #[error("reading the trace: {0}")]
     Io(#[from] std::io::Error),

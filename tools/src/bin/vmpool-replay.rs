@@ -195,6 +195,7 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<(u128,
                 TraceOp::Free { slot, .. } => {
                     a.free(live[slot].take().expect("trace frees a live id"))?
                 }
+                _ => anyhow::bail!("trace operation {i} is of a kind this replay does not know"),
             }
             if i % 4096 == 0 {
                 bar.set_position((pass * trace.ops.len() + i) as u64);
