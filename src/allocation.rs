@@ -26,6 +26,7 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// The allocation's device address (256-byte aligned); it never moves.
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
     }

@@ -24,6 +24,10 @@ struct DeviceSlot<B: Backend> {
     streams: Mutex<Vec<Weak<StreamShared<B>>>>,
 }
 
+/// The process's view of the devices (as the CUDA runtime's): each
+/// device's default and current pool, the streams made on it, and the
+/// stream-ordered front end (`alloc_async`, `free_async`, events). Built on
+/// one backend: `Context<Cuda>` on a GPU, `Context<Host>` without one.
 pub struct Context<B: Backend> {
     backend: Arc<B>,
     devices: Vec<DeviceSlot<B>>,
@@ -41,6 +45,8 @@ impl<B: Backend> std::fmt::Debug for Context<B> {
 }
 
 impl<B: Backend> Context<B> {
+    /// A context over `backend`, with a slot for each of its devices; pools
+    /// are made when first asked for.
     pub fn new(backend: Arc<B>) -> Result<Self> {
         let devices = (0..backend.device_count()?)
             .map(|_| DeviceSlot {
@@ -57,6 +63,7 @@ impl<B: Backend> Context<B> {
         })
     }
 
+    /// The backend the context was made with.
     pub fn backend(&self) -> &Arc<B> {
         &self.backend
     }
@@ -119,6 +126,7 @@ impl<B: Backend> Context<B> {
 
     // ---- the stream-ordered front end ------------------------------------
 
+    /// A new stream on `device` (non-blocking on CUDA), owned by vmpool.
     pub fn create_stream(&self, device: DeviceId) -> Result<Stream<B>> {
         self.slot(device)?;
         self.adopt_stream(self.backend.create_stream(device)?, device)
@@ -136,6 +144,7 @@ impl<B: Backend> Context<B> {
         Ok(stream)
     }
 
+    /// A new event on `device`.
     pub fn create_event(&self, device: DeviceId) -> Result<Event<B>> {
         self.slot(device)?;
         Ok(Event::new(self.backend.create_event(device)?, device))
@@ -225,6 +234,9 @@ impl<B: Backend> Context<B> {
         Buffer::alloc(&self.current_pool(stream.device())?, len, stream)
     }
 
+    /// Frees `allocation` in stream order on `stream` (`cudaFreeAsync`): the
+    /// memory goes back to its pool once work queued before the free on
+    /// `stream` has run; `stream` may reuse it at once.
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
         // Usually the device's current pool: found without a search (and
         // without creating a default pool just to look at it).

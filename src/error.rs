@@ -2,6 +2,8 @@
 
 use vmm::DeviceId;
 
+/// What went wrong in a vmpool call. A refused call changes nothing: the
+/// pool is as it was before.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -12,7 +14,9 @@ pub enum Error {
          ({used} in use), the device has {device_free} bytes free"
     )]
     OutOfMemory {
+        /// The device out of memory.
         device: DeviceId,
+        /// Bytes asked for.
         requested: u64,
         /// Physical bytes the pool held when it gave up.
         reserved: u64,
@@ -24,37 +28,60 @@ pub enum Error {
     /// The pool's own limit (`PoolProps::max_size`) would be exceeded.
     #[error("pool limit reached: {requested} bytes requested, {reserved} of at most {max_size} bytes held")]
     PoolLimit {
+        /// Bytes asked for.
         requested: u64,
+        /// Physical bytes the pool held.
         reserved: u64,
+        /// The pool's limit.
         max_size: u64,
     },
+    /// A size no allocation can have: zero, or larger than the pool's
+    /// address range.
     #[error("invalid allocation size {requested}: {reason}")]
     InvalidSize {
+        /// Bytes asked for.
         requested: u64,
+        /// Why the size cannot be served.
         reason: &'static str,
     },
     /// The allocation belongs to another pool.
     #[error("the allocation at {ptr:#x} belongs to another pool")]
-    WrongPool { ptr: u64 },
+    WrongPool {
+        /// The allocation's address.
+        ptr: u64,
+    },
+    /// No device of this number.
     #[error("{0} does not exist")]
     InvalidDevice(DeviceId),
     /// A stream or event of one device used with a pool, stream or event of
     /// another. A pool serves streams of its own device only: it maps its
     /// memory for that device and orders frees with that device's events.
     #[error("a stream or event of {found} used with {expected}")]
-    WrongDevice { expected: DeviceId, found: DeviceId },
+    WrongDevice {
+        /// The device of the pool (or of the first stream or event).
+        expected: DeviceId,
+        /// The device of the stream or event passed.
+        found: DeviceId,
+    },
+    /// A pool property that cannot be served; says which and why.
     #[error("invalid pool property: {0}")]
     InvalidProps(String),
+    /// An attribute set to a value it cannot take, or one that is read-only.
     #[error("attribute {attribute:?} cannot be set to {value}: {reason}")]
     InvalidAttribute {
+        /// The attribute.
         attribute: crate::PoolAttribute,
+        /// The value refused.
         value: u64,
+        /// Why.
         reason: &'static str,
     },
     /// Access a pool cannot give (less than read-write for its own device).
     #[error("{device} cannot be given that access: {reason}")]
     InvalidAccess {
+        /// The device named.
         device: DeviceId,
+        /// Why it cannot have that access.
         reason: &'static str,
     },
     /// Sharing with another process needs a pool created with
@@ -64,14 +91,23 @@ pub enum Error {
     /// The exported allocation has been freed since it was exported (or was
     /// never exported by this pool).
     #[error("the exported allocation at {ptr:#x} is no longer live")]
-    StaleExport { ptr: u64 },
+    StaleExport {
+        /// The exported allocation's address.
+        ptr: u64,
+    },
     /// The export data names another pool than the one imported.
     #[error("the export data of {ptr:#x} comes from another pool")]
-    ForeignExport { ptr: u64 },
+    ForeignExport {
+        /// The exported allocation's address.
+        ptr: u64,
+    },
     /// The exporting pool's device (`device` in the exporter's numbering)
     /// is none of this process's devices.
     #[error("the exporting pool's device (its {device}) is not one this process sees")]
-    DeviceNotVisible { device: DeviceId },
+    DeviceNotVisible {
+        /// The device, as the exporting process numbers it.
+        device: DeviceId,
+    },
     /// Talking to the other process failed: it is gone, or the descriptor
     /// or data is not what vmpool sends.
     #[error("sharing with another process: {0}")]
@@ -105,6 +141,7 @@ pub enum Error {
     Driver(#[from] vmm::Error),
 }
 
+/// vmpool's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What [`crate::Pool::audit`] found wrong: each way the pool's tables

@@ -46,11 +46,14 @@ use crate::{Allocation, Context, Error, GraphCapture, Pool, PoolAttribute, PoolP
 /// `(first, second)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct GraphPoolId {
+    /// The capture's id, or 0 for a pool from a handle.
     pub first: u64,
+    /// The handle's id, or 0 for a capture's own pool.
     pub second: u64,
 }
 
 impl GraphPoolId {
+    /// The id `(first, second)`.
     pub const fn new(first: u64, second: u64) -> Self {
         Self { first, second }
     }
@@ -87,7 +90,10 @@ pub enum GraphPoolError {
         "an allocation on a capturing stream while {open} graph pools are open: \
          which capture it belongs to cannot be told (one capture at a time per device)"
     )]
-    WhichCapture { open: usize },
+    WhichCapture {
+        /// How many graph pools were open.
+        open: usize,
+    },
     /// The pool refused (out of memory, a stream of another device, ...),
     /// or a driver call failed.
     #[error(transparent)]
@@ -98,7 +104,9 @@ pub enum GraphPoolError {
 /// [`GraphPools::free_async`].
 #[derive(Debug)]
 pub struct GraphAllocation {
+    /// The allocation.
     pub allocation: Allocation,
+    /// The graph pool it came from.
     pub pool: GraphPoolId,
 }
 
@@ -184,6 +192,7 @@ impl<B: Backend> GraphPools<B> {
         }
     }
 
+    /// The device whose graph pools these are.
     pub fn device(&self) -> DeviceId {
         self.state.props.device
     }
@@ -354,6 +363,7 @@ impl<B: Backend> GraphPools<B> {
         self.pools().contains_key(&id)
     }
 
+    /// How many graph pools exist and are open, and what they hold.
     pub fn stats(&self) -> GraphPoolsStats {
         let pools = self.pools();
         GraphPoolsStats {

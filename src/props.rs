@@ -73,6 +73,10 @@ pub enum HandleType {
 }
 
 impl PoolProps {
+    /// The defaults for a pool on `device`: no size limit, growth chunks of
+    /// at most [`DEFAULT_CHUNK_SIZE`] and a [`DEFAULT_CHUNK_DIVISOR`]th of the
+    /// reserved bytes, a reservation of four times the device's memory,
+    /// remapping on, no shareable handles, no trace.
     pub fn new(device: DeviceId) -> Self {
         Self {
             device,

@@ -7,8 +7,14 @@
 pub enum PoolAttribute {
     /// Bytes the pool may keep cached across a synchronization.
     ReleaseThreshold,
+    /// Whether another stream may reuse a free it is ordered after by an
+    /// event (1, the default) or not (0).
     ReuseFollowEventDependencies,
+    /// Whether another stream may reuse a free that has already completed
+    /// (1, the default) or not (0).
     ReuseAllowOpportunistic,
+    /// Whether the pool may make another stream wait for a free so as to
+    /// reuse it (1, the default) or not (0).
     ReuseAllowInternalDependencies,
     /// Physical bytes held (read-only).
     ReservedMemCurrent,
@@ -35,7 +41,9 @@ impl PoolAttribute {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PoolStats {
+    /// Allocations served, synchronous and stream-ordered.
     pub allocations: u64,
+    /// Frees, synchronous and stream-ordered.
     pub frees: u64,
     /// Allocations that needed new mapped space.
     pub grows: u64,
@@ -43,14 +51,22 @@ pub struct PoolStats {
     pub grow_nanos: u64,
     /// Units unmapped from one place and mapped at another.
     pub remaps: u64,
+    /// Bytes of the units remapped.
     pub bytes_remapped: u64,
+    /// Physical chunks created (`cuMemCreate`).
     pub chunks_created: u64,
+    /// Physical chunks released (`cuMemRelease`).
     pub chunks_released: u64,
+    /// Bytes of the chunks created.
     pub bytes_created: u64,
+    /// Bytes of the chunks released.
     pub bytes_released: u64,
     /// Driver map and unmap calls.
     pub maps: u64,
+    /// Driver unmap calls.
     pub unmaps: u64,
+    /// Trims that released memory (explicit, or to the release threshold
+    /// at a synchronization).
     pub trims: u64,
     /// Stream-ordered allocations served by memory freed on the same stream.
     pub same_stream_reuses: u64,
@@ -67,12 +83,17 @@ pub struct PoolStats {
     pub frees_merged: u64,
     /// Events recorded on streams to learn when their frees complete.
     pub events_recorded: u64,
-    /// Current state.
+    /// Physical bytes held now (mapped and spare chunks).
     pub reserved_bytes: u64,
+    /// Bytes of live allocations now, as asked for.
     pub used_bytes: u64,
+    /// Bytes mapped in the pool's range now.
     pub mapped_bytes: u64,
+    /// Bytes of chunks held unmapped, ready for the next growth.
     pub spare_bytes: u64,
+    /// Chunks mapped now.
     pub units: u64,
+    /// The largest free block of mapped space, in bytes.
     pub largest_free_range: u64,
     /// Freed in stream order, waiting for their stream to pass the free.
     pub pending_bytes: u64,
@@ -90,7 +111,9 @@ pub struct PoolStats {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct PoolSnapshot {
+    /// The first address of the pool's reservation.
     pub base: u64,
+    /// The reservation's size in bytes.
     pub va_size: u64,
     /// The arenas' ranges: small allocations, then large ones.
     pub arenas: Vec<(u64, u64)>,
@@ -100,6 +123,7 @@ pub struct PoolSnapshot {
     pub free: Vec<(u64, u64)>,
     /// Chunks held unmapped: (chunk handle, size).
     pub spares: Vec<(u64, u64)>,
+    /// The pool's statistics at the same moment.
     pub stats: PoolStats,
 }
 
@@ -107,7 +131,9 @@ pub struct PoolSnapshot {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct UnitView {
+    /// The address it is mapped at.
     pub va: u64,
+    /// Its size in bytes.
     pub size: u64,
     /// The backend's chunk handle: the same chunk keeps it when remapped.
     pub chunk: u64,

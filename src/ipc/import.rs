@@ -247,6 +247,7 @@ impl<B: Backend> ImportedAllocation<B> {
         self.ptr
     }
 
+    /// The allocation's size in bytes, as exported.
     pub fn size(&self) -> u64 {
         self.size
     }

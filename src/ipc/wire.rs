@@ -30,8 +30,10 @@ pub struct ExportData {
 }
 
 impl ExportData {
+    /// The size of the export data in bytes, for any channel.
     pub const LEN: usize = 32;
 
+    /// The export data as bytes, to send to the importing process.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
         let mut out = [0; Self::LEN];
         for (i, word) in [self.token, self.serial, self.ptr, self.size]
@@ -43,6 +45,8 @@ impl ExportData {
         out
     }
 
+    /// Export data read back from [`ExportData::to_bytes`]'s bytes; an error
+    /// unless `bytes` is exactly [`ExportData::LEN`] long and well formed.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         if bytes.len() != Self::LEN {
             return Err(Error::Ipc(format!(
@@ -65,6 +69,7 @@ impl ExportData {
         self.ptr
     }
 
+    /// The allocation's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
     }

@@ -149,6 +149,7 @@ impl<B: Backend> Stream<B> {
         }))
     }
 
+    /// The device the stream belongs to.
     pub fn device(&self) -> DeviceId {
         self.0.device
     }
@@ -198,6 +199,7 @@ impl<B: Backend> Event<B> {
         lock(&self.captured).as_ref().map(|c| (c.stream, c.seq))
     }
 
+    /// The device the event belongs to.
     pub fn device(&self) -> DeviceId {
         self.device
     }

@@ -235,10 +235,12 @@ impl<B: Backend> Pool<B> {
         lock(&self.0.inner)
     }
 
+    /// The device whose memory the pool holds.
     pub fn device(&self) -> DeviceId {
         self.0.device
     }
 
+    /// The backend the pool's memory comes from.
     pub fn backend(&self) -> &Arc<B> {
         &self.0.backend
     }
@@ -553,6 +555,8 @@ impl<B: Backend> Pool<B> {
         Ok(self.lock().space.access(device))
     }
 
+    /// An attribute's current value (`cudaMemPoolGetAttribute`): switches
+    /// are 0 or 1, the others are bytes.
     pub fn attribute(&self, attribute: PoolAttribute) -> u64 {
         let inner = self.lock();
         let rules = inner.streams.rules;
@@ -570,6 +574,9 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// Sets an attribute (`cudaMemPoolSetAttribute`): the release threshold,
+    /// a reuse switch (0 or 1), or a high-water mark (only to 0, which resets
+    /// it to the current value). Others are [`Error::InvalidAttribute`].
     pub fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
         let invalid = |reason| Error::InvalidAttribute {
             attribute,
@@ -607,6 +614,7 @@ impl<B: Backend> Pool<B> {
         Ok(())
     }
 
+    /// The pool's statistics now.
     pub fn stats(&self) -> PoolStats {
         audit::stats(&self.lock())
     }

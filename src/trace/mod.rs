@@ -14,15 +14,32 @@ pub(crate) mod record;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 
+/// One operation of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TraceOp {
-    Alloc { slot: usize, size: u64, stream: u64 },
-    Free { slot: usize, stream: u64 },
+    /// An allocation.
+    Alloc {
+        /// The allocation's slot: its id, renumbered densely from 0.
+        slot: usize,
+        /// Bytes asked for.
+        size: u64,
+        /// The stream it was made on, as the trace numbers streams.
+        stream: u64,
+    },
+    /// The free of the allocation in `slot`.
+    Free {
+        /// The slot of the allocation freed.
+        slot: usize,
+        /// The stream it was freed on.
+        stream: u64,
+    },
 }
 
+/// A parsed allocation trace.
 #[derive(Debug, Clone, Default)]
 pub struct Trace {
+    /// The operations, in the order recorded.
     pub ops: Vec<TraceOp>,
     /// Number of slots (distinct allocations).
     pub slots: usize,
@@ -30,13 +47,21 @@ pub struct Trace {
     pub peak_live: u64,
 }
 
+/// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TraceError {
+    /// Reading (or decompressing) the input failed.
     #[error("reading the trace: {0}")]
     Io(#[from] std::io::Error),
+    /// A line is not a valid operation, or frees an id that is not live.
     #[error("line {line}: {reason}")]
-    Parse { line: usize, reason: String },
+    Parse {
+        /// The line's number, from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 impl Trace {

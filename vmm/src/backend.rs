@@ -22,6 +22,10 @@ use crate::{
     MemInfo, Result,
 };
 
+/// The driver layer's model, implemented by the CUDA driver and by the
+/// host backend: devices, virtual address ranges, physical chunks and
+/// their mappings, access, chunk sharing, streams and events. Every
+/// method checks its arguments against the backend's own tables first.
 pub trait Backend: Send + Sync + 'static {
     /// An ordered queue of device work.
     type Stream: Send + Sync;
@@ -35,6 +39,7 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- devices ---------------------------------------------------------
 
+    /// The number of devices this backend sees.
     fn device_count(&self) -> Result<u32>;
     /// The size and alignment unit of chunks and mappings (2 MiB on H200).
     fn granularity(&self, device: DeviceId) -> Result<usize>;
@@ -42,6 +47,7 @@ pub trait Backend: Send + Sync + 'static {
     /// has the same UUID in every process, whatever ordinal
     /// `CUDA_VISIBLE_DEVICES` gives it there.
     fn device_uuid(&self, device: DeviceId) -> Result<[u8; 16]>;
+    /// The device's free and total memory (`cuMemGetInfo`).
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
 
     // ---- virtual address space -------------------------------------------
@@ -105,6 +111,8 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- streams and events ----------------------------------------------
 
+    /// A new stream on `device`, owned by the returned value (destroyed when
+    /// it is dropped, after its queued work).
     fn create_stream(&self, device: DeviceId) -> Result<Self::Stream>;
     /// A stream made by someone else, for vmpool to order its work on:
     /// the runtime API's default stream, a library's stream. Dropping the
@@ -127,6 +135,7 @@ pub trait Backend: Send + Sync + 'static {
     /// an event recorded on it cannot be queried or waited for from outside
     /// the capture, even after it ends (until it is recorded again).
     fn stream_capturing(&self, stream: &Self::Stream) -> Result<bool>;
+    /// A new event on `device` (no timing), owned by the returned value.
     fn create_event(&self, device: DeviceId) -> Result<Self::Event>;
     /// Captures the work queued on `stream` so far into `event`, replacing
     /// what it captured before.

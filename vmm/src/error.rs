@@ -52,6 +52,7 @@ pub enum Error {
     Cuda {
         /// The driver entry point, e.g. `cuMemMap`.
         call: &'static str,
+        /// What kind of failure it is.
         kind: ErrorKind,
         /// The numeric `CUresult`.
         code: u32,
@@ -64,8 +65,11 @@ pub enum Error {
     /// driver is called).
     #[error("{call}: {kind}: {reason}")]
     Rejected {
+        /// The backend call refused.
         call: &'static str,
+        /// What kind of failure it is.
         kind: ErrorKind,
+        /// Why it was refused.
         reason: String,
     },
 }
@@ -98,6 +102,7 @@ impl Error {
     }
 }
 
+/// The driver layer's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Logs a failure to free something in `Drop`, which must not panic. At

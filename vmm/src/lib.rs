@@ -21,6 +21,8 @@
 //! Every `unsafe` block of the project is in this crate, and each carries a
 //! `// SAFETY:` comment.
 
+#![warn(missing_docs)]
+
 mod backend;
 pub mod cuda;
 mod error;

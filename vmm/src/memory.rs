@@ -40,14 +40,17 @@ impl<B: Backend> Reservation<B> {
         }))
     }
 
+    /// The first address of the range.
     pub fn base(&self) -> DevicePtr {
         self.base
     }
 
+    /// The size of the range in bytes.
     pub fn size(&self) -> usize {
         self.size
     }
 
+    /// The backend the range was reserved from.
     pub fn backend(&self) -> &Arc<B> {
         &self.backend
     }
@@ -74,6 +77,7 @@ pub struct Chunk<B: Backend> {
 }
 
 impl<B: Backend> Chunk<B> {
+    /// Creates a chunk of `size` bytes of physical memory on `device`.
     pub fn new(backend: &Arc<B>, device: DeviceId, size: usize) -> Result<Arc<Self>> {
         let handle = backend.create_chunk(device, size)?;
         Ok(Self::owning(backend, handle, device, size))
@@ -137,14 +141,17 @@ impl<B: Backend> Chunk<B> {
         }
     }
 
+    /// The backend's handle of the chunk.
     pub fn handle(&self) -> ChunkHandle {
         self.handle
     }
 
+    /// The device whose memory the chunk is.
     pub fn device(&self) -> DeviceId {
         self.device
     }
 
+    /// The chunk's size in bytes.
     pub fn size(&self) -> usize {
         self.size
     }
@@ -205,6 +212,7 @@ impl<B: Backend> Mapping<B> {
         })
     }
 
+    /// Sets what each device named in `access` may do with the mapped range.
     pub fn set_access(&self, access: &[AccessDesc]) -> Result<()> {
         self.reservation
             .backend
@@ -224,18 +232,22 @@ impl<B: Backend> Mapping<B> {
         }
     }
 
+    /// The address the chunk is mapped at.
     pub fn va(&self) -> DevicePtr {
         self.va
     }
 
+    /// The mapped size in bytes (the chunk's size).
     pub fn size(&self) -> usize {
         self.chunk.size
     }
 
+    /// The chunk mapped.
     pub fn chunk(&self) -> &Arc<Chunk<B>> {
         &self.chunk
     }
 
+    /// The reservation the mapping lies in.
     pub fn reservation(&self) -> &Arc<Reservation<B>> {
         &self.reservation
     }

@@ -30,6 +30,7 @@ impl DevicePtr {
         )
     }
 
+    /// Whether the address is a multiple of `alignment`.
     pub fn is_aligned(self, alignment: usize) -> bool {
         alignment != 0 && self.0 % alignment as u64 == 0
     }
@@ -54,26 +55,34 @@ pub struct ChunkHandle(pub u64);
 /// Free and total physical memory of a device, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
+    /// Free bytes on the device.
     pub free: usize,
+    /// Total bytes on the device.
     pub total: usize,
 }
 
 /// What a device may do with a mapped range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {
+    /// No access: touching the memory faults.
     None,
+    /// Read only.
     Read,
+    /// Read and write.
     ReadWrite,
 }
 
 /// One entry of a set-access call: `device` gets `access`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AccessDesc {
+    /// The device given access.
     pub device: DeviceId,
+    /// What it may do.
     pub access: Access,
 }
 
 impl AccessDesc {
+    /// Read-write access for `device`.
     pub fn read_write(device: DeviceId) -> Self {
         Self {
             device,

@@ -54,6 +54,7 @@ use crate::{
 /// Shape of the simulated machine.
 #[derive(Debug, Clone)]
 pub struct HostConfig {
+    /// The number of simulated devices.
     pub devices: u32,
     /// Which device of the simulated machine is this backend's device 0,
     /// as `CUDA_VISIBLE_DEVICES` would renumber them: device `i` has the
@@ -82,20 +83,26 @@ impl Default for HostConfig {
 /// Objects alive in a host backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Census {
+    /// Address reservations not yet freed.
     pub reservations: usize,
     /// Chunks whose memory still exists (released handles still mapped count).
     pub chunks: usize,
+    /// Mappings not yet unmapped.
     pub mappings: usize,
     /// Events not yet dropped.
     pub events: usize,
 }
 
+/// The host backend: the driver's model on Linux virtual memory (memfd
+/// chunks mapped into a `PROT_NONE` reservation, worker threads as
+/// streams), so that everything built on [`Backend`] runs without a GPU.
 pub struct Host {
     config: HostConfig,
     memory: Arc<Memory>,
 }
 
 impl Host {
+    /// A host backend shaped by `config`.
     pub fn new(config: HostConfig) -> Result<Arc<Self>> {
         let page = rustix::param::page_size();
         if config.devices == 0 {

@@ -149,6 +149,7 @@ impl HostStream {
         &self.memory
     }
 
+    /// The device the stream belongs to.
     pub fn device(&self) -> DeviceId {
         self.device
     }
@@ -313,6 +314,7 @@ impl HostEvent {
         }
     }
 
+    /// The device the event belongs to.
     pub fn device(&self) -> DeviceId {
         self.device
     }

@@ -19,17 +19,29 @@ use crate::{
 /// The calls a fault can be injected into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Call {
+    /// `reserve`.
     Reserve,
+    /// `free_reservation`.
     FreeReservation,
+    /// `create_chunk`.
     CreateChunk,
+    /// `release_chunk`.
     ReleaseChunk,
+    /// `map`.
     Map,
+    /// `unmap`.
     Unmap,
+    /// `set_access`.
     SetAccess,
+    /// `export_chunk`.
     ExportChunk,
+    /// `import_chunk`.
     ImportChunk,
+    /// `create_event`.
     CreateEvent,
+    /// `record_event`.
     RecordEvent,
+    /// `stream_wait_event`.
     StreamWaitEvent,
     AllocHost,
     CopyDeviceToHost,
@@ -58,6 +70,9 @@ impl Call {
     }
 }
 
+/// A backend that passes every call to `inner`, except one armed call,
+/// which fails (after letting a chosen number through): for testing that
+/// callers recover from a driver failure at any call site.
 pub struct Faulty<B: Backend> {
     inner: Arc<B>,
     /// The call to fail and how many more of it to let through first.
@@ -65,6 +80,7 @@ pub struct Faulty<B: Backend> {
 }
 
 impl<B: Backend> Faulty<B> {
+    /// Wraps `inner`, with nothing armed.
     pub fn new(inner: Arc<B>) -> Arc<Self> {
         Arc::new(Self {
             inner,
