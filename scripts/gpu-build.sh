@@ -53,7 +53,7 @@ for line in sys.stdin:
 done
 
 # Examples and command-line tools.
-cargo build --workspace --release --examples --bins
+cargo build --workspace --release --examples --bins --features vmpool/cudarc
 for src in examples/*.rs; do
     name=$(basename "$src" .rs)
     cp "target/release/examples/$name" "$bundle/examples/$name"
