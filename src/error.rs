@@ -128,12 +128,17 @@ pub enum Error {
     /// changed: the pool is still asleep with its bytes on the host, and
     /// waking can be tried again once memory is free.
     #[error(
-        "waking needs {needed} bytes on {device}; the device has {device_free} bytes free          ({kept} bytes wait on the host)"
+        "waking needs {needed} bytes on {device}; the device has {device_free} bytes free \
+         ({kept} bytes wait on the host)"
     )]
     WakeOutOfMemory {
+        /// The pool's device.
         device: DeviceId,
+        /// Bytes of the units to map back.
         needed: u64,
+        /// Free memory the device reported.
         device_free: u64,
+        /// Live bytes waiting in host memory.
         kept: u64,
     },
     /// A driver call failed; the pool is still consistent.

@@ -67,6 +67,7 @@ impl<B: Backend> Pool<B> {
         self.lock().retention = retention;
     }
 
+    /// What [`Pool::sleep`] does with the pool's bytes ([`Pool::set_retention`]).
     pub fn retention(&self) -> Retention {
         self.lock().retention
     }
@@ -103,6 +104,8 @@ impl<B: Backend> Pool<B> {
         Ok(report)
     }
 
+    /// Whether the pool sleeps ([`Pool::sleep`] without a [`Pool::wake`]
+    /// since).
     pub fn is_asleep(&self) -> bool {
         self.0.asleep.load(Ordering::Acquire)
     }

@@ -104,21 +104,28 @@ pub enum EventStatus {
 /// bytes at `device`, and at `host_offset` in the buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostCopy {
+    /// Where the range starts in device memory.
     pub device: DevicePtr,
+    /// Where it starts in the host buffer.
     pub host_offset: usize,
+    /// Its length in bytes.
     pub len: usize,
 }
 
 /// Host memory the device copies to and from (page-locked on CUDA, where
 /// that is what lets a copy run at the bus's speed).
 pub trait HostBuffer: Send + Sync {
+    /// The buffer's bytes.
     fn as_slice(&self) -> &[u8];
+    /// The buffer's bytes, to write.
     fn as_mut_slice(&mut self) -> &mut [u8];
 
+    /// Its length in bytes.
     fn len(&self) -> usize {
         self.as_slice().len()
     }
 
+    /// Whether it holds no byte.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -43,8 +43,11 @@ pub enum Call {
     RecordEvent,
     /// `stream_wait_event`.
     StreamWaitEvent,
+    /// `alloc_host`.
     AllocHost,
+    /// `copy_device_to_host`.
     CopyDeviceToHost,
+    /// `copy_host_to_device`.
     CopyHostToDevice,
 }
 
