@@ -146,8 +146,10 @@ pub fn asleep_the_pool_refuses_calls<B: TestBackend>(b: &Arc<B>) {
     ));
     assert!(matches!(pool.allocate(MIB), Err(Error::Asleep)));
     assert!(matches!(pool.allocate_async(MIB, &s), Err(Error::Asleep)));
-    let other = ctx.create_stream(DeviceId(1)).unwrap();
-    assert!(matches!(pool.wake(&other), Err(Error::WrongDevice { .. })));
+    if b.device_count().unwrap() > 1 {
+        let other = ctx.create_stream(DeviceId(1)).unwrap();
+        assert!(matches!(pool.wake(&other), Err(Error::WrongDevice { .. })));
+    }
     pool.wake(&s).unwrap();
     pool.free(a).unwrap();
     pool.free_async(c, &s).unwrap();
