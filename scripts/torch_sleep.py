@@ -37,14 +37,19 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     vt.set_retention(True)
-    layer = torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, num_layers=6).to(dev).eval()
-    x = torch.randn(8, 128, 512, device=dev)
+    # About 2.4 GB of weights: a model of the size people put to sleep,
+    # beside which the driver's own few MiB (a stream for the copies) are
+    # small.
+    layer = torch.nn.TransformerEncoderLayer(d_model=2048, nhead=16, dim_feedforward=8192, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=12).to(dev).eval()
+    # The input is kept on the host too: level 2 drops every device byte.
+    x_host = torch.randn(8, 128, 2048)
+    x = x_host.to(dev)
     with torch.no_grad():
         before = model(x).clone()
     sums = [p.detach().double().sum().item() for p in model.parameters()]
     # A graph captured before the sleep, its input static.
-    static_in = torch.randn(8, 128, 512, device=dev)
+    static_in = torch.randn(8, 128, 2048, device=dev)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -63,6 +68,7 @@ def main() -> int:
     vt.sleep(1)
     free_asleep, _ = torch.cuda.mem_get_info()
     gained = free_asleep - free_awake
+    print(f"      pool reserved {reserved} bytes; device free {free_awake} awake, {free_asleep} asleep")
     check(
         gained >= 0.99 * reserved,
         f"asleep, the device gained {gained / 2**20:.0f} MiB of the pool's {reserved / 2**20:.0f} MiB",
@@ -87,6 +93,7 @@ def main() -> int:
     vt.sleep(2)
     vt.wake()
     model.load_state_dict(state)
+    x = x_host.to(dev)
     with torch.no_grad():
         again = model(x)
     check(torch.equal(before, again), "outputs equal after a level-2 sleep and a reload")

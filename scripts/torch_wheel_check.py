@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import site
 import subprocess
 import sys
 import tempfile
@@ -154,6 +155,17 @@ def main():
         venv = tmp / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
         py = venv / "bin" / "python"
+        # When this interpreter is itself a virtual environment (the GPU
+        # machine's is), --system-site-packages reaches the base Python's
+        # packages, not its own: a .pth file adds them, after the new
+        # environment's own, so that the wheel's vmpool comes first.
+        purelib = subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        Path(purelib, "machine_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
         install = [py, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)]
         print("$ " + " ".join(map(str, install)), flush=True)
         subprocess.run(install, check=True)
