@@ -26,9 +26,10 @@ so the per-step losses (or generated tokens) must match native's.
 `--workloads gather-probe` runs a probe instead of a model: random reads
 over one 16 GiB tensor, to see whether the way an allocator maps its memory
 changes how fast kernels run. `--workloads calls-probe` replays the
-allocation calls of GPT-2 training recorded under PyTorch
-(traces/gpt2_train_torch.trace.gz) through PyTorch's allocator interface,
-with no kernels: what an allocator's calls cost on PyTorch's own path.
+allocation calls of a trace recorded under PyTorch (`--calls-trace FILE`;
+by default GPT-2 training's, traces/gpt2_train_torch.trace.gz) through
+PyTorch's allocator interface, with no kernels: what an allocator's calls
+cost on PyTorch's own path.
 
     python3 scripts/pytorch_compare.py [--steps N] [--repeats R] [--workloads a,b]
                                        [--allocators a,b] [--json OUT.json] [--record DIR]
@@ -162,18 +163,23 @@ def gather_probe(torch, dev, rng, steps):
 
 
 def calls_probe(torch, dev, rng, steps):
-    """Not a model: every step replays the allocations and frees of GPT-2
-    training as recorded under PyTorch (`traces/gpt2_train_torch.trace.gz`,
-    57,653 calls) through `torch.cuda.caching_allocator_alloc` / `_delete`
-    on the current stream, and launches nothing. The first step grows the
-    pool; later ones show what the calls cost through PyTorch's allocator
-    interface (its Python loop, the same under every allocator, included)."""
+    """Not a model: every step replays the allocations and frees of a trace
+    recorded under PyTorch (`--calls-trace FILE`; by default GPT-2
+    training's, `traces/gpt2_train_torch.trace.gz`, 57,653 calls) through
+    `torch.cuda.caching_allocator_alloc` / `_delete` on the current stream,
+    and launches nothing. The first step grows the pool; later ones show
+    what the calls cost through PyTorch's allocator interface (its Python
+    loop, the same under every allocator, included)."""
     import gzip
 
-    trace = next(p for p in (HERE.parent / "traces" / "gpt2_train_torch.trace.gz",
-                             HERE / "traces" / "gpt2_train_torch.trace.gz") if p.is_file())
+    given = os.environ.get("VMPOOL_CALLS_TRACE")
+    trace = Path(given) if given else next(
+        p for p in (HERE.parent / "traces" / "gpt2_train_torch.trace.gz",
+                    HERE / "traces" / "gpt2_train_torch.trace.gz") if p.is_file())
     ops = []
-    with gzip.open(trace, "rt") as f:
+    with open(trace, "rb") as head:
+        gzipped = head.read(2) == b"\x1f\x8b"
+    with (gzip.open(trace, "rt") if gzipped else open(trace)) as f:
         for line in f:
             fields = line.split()
             if fields and fields[0] == "a":
@@ -439,6 +445,8 @@ def run_child(workload, allocator, args):
     if args.record and is_vmpool(allocator):
         Path(args.record).mkdir(parents=True, exist_ok=True)
         env["VMPOOL_RECORD"] = str(Path(args.record) / workload)
+    if args.calls_trace:
+        env["VMPOOL_CALLS_TRACE"] = str(Path(args.calls_trace).resolve())
     started = time.perf_counter()
     result, proc = run_case(Path(__file__).resolve(), "--child", "--workload", workload, "--allocator",
                             allocator, "--steps", str(args.steps), "--seed", str(args.seed), env=env,
@@ -450,6 +458,8 @@ def run_child(workload, allocator, args):
     for line in noise[:10]:
         print(f"   {allocator} log: {line}")
     result["wall_s"] = wall
+    if workload == "calls-probe":
+        result["calls_trace"] = args.calls_trace or "traces/gpt2_train_torch.trace.gz"
     return result
 
 
@@ -553,6 +563,8 @@ def main():
                    help="vmpool runs without VMPOOL_TIMING: no time of its own calls, none of the "
                         "clock reads' cost in its step time")
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier run's --json and exit")
+    p.add_argument("--calls-trace", metavar="FILE",
+                   help="the trace the calls probe replays (gzip or plain; default: GPT-2 training's)")
     p.add_argument("--record", metavar="DIR", help="vmpool runs write their allocation traces here "
                    "(VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay")
     args = p.parse_args()
