@@ -25,7 +25,7 @@ use svg::node::element::{Rectangle, Text};
 use svg::Document;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, Backend, DeviceId};
-use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolSnapshot, Stream};
+use vmpool::{Allocation, Context, Defragment, PoolAttribute, PoolProps, PoolSnapshot, Stream};
 
 mod common;
 
@@ -65,7 +65,7 @@ struct Outcome {
 /// free chunks can hold (measured on the first, defragmenting run).
 fn on_vmpool<B: TestBackend>(
     b: &Arc<B>,
-    defragment: bool,
+    defragment: Defragment,
     request: Option<u64>,
 ) -> Result<(u64, Outcome)> {
     let ctx = Context::new(Arc::clone(b))?;
@@ -252,8 +252,8 @@ fn run<B: TestBackend>(
     println!(
         "{COUNT} allocations of 1-6 MiB, every other one freed, then one request larger than any hole.\n"
     );
-    let (request, on) = on_vmpool(b, true, None)?;
-    let (_, off) = on_vmpool(b, false, Some(request))?;
+    let (request, on) = on_vmpool(b, Defragment::Units, None)?;
+    let (_, off) = on_vmpool(b, Defragment::Off, Some(request))?;
     println!(
         "largest hole {}; request {} (all the chunks under the holes that no live byte touches)\n",
         mib(on.largest_hole),

@@ -27,7 +27,7 @@
 //! A graph pool's free memory is what its graphs replay into, so nothing
 //! may unmap it while they live: a graph pool keeps all its memory (release
 //! threshold `u64::MAX`), never moves its free units to back a growth
-//! ([`PoolProps::defragment`] off), and is left alone when another pool of
+//! ([`PoolProps::defragment`] off: [`Defragment::Off`]), and is left alone when another pool of
 //! the device runs out of memory and asks the others to release what they
 //! hold unused.
 
@@ -38,7 +38,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use rustc_hash::FxHashMap;
 use vmm::{Backend, DeviceId};
 
-use crate::{Allocation, Context, Error, GraphCapture, Pool, PoolAttribute, PoolProps, Stream};
+use crate::{
+    Allocation, Context, Defragment, Error, GraphCapture, Pool, PoolAttribute, PoolProps, Stream,
+};
 
 /// The id of a graph pool: PyTorch's `MempoolId_t`, a pair of ids (a
 /// capture's own pool is `{capture id, 0}`, one from
@@ -185,7 +187,7 @@ impl<B: Backend> GraphPools<B> {
             state: Box::new(State {
                 pools: Mutex::default(),
                 props: PoolProps {
-                    defragment: false,
+                    defragment: Defragment::Off,
                     ..props
                 },
             }),

@@ -16,6 +16,7 @@ use crate::arena::{ArenaId, Arenas};
 use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, StreamPos};
 use crate::plan::{self, Gap, Plan, Source, Tail, UnitSize};
+use crate::props::Defragment;
 use crate::space::Space;
 use crate::va::Va;
 use crate::{Error, Result};
@@ -61,8 +62,8 @@ pub(crate) struct Growth<'a, B: Backend> {
     pub(crate) arenas: &'a mut Arenas,
     pub(crate) guards: &'a mut Guards,
     pub(crate) counters: &'a mut GrowthCounters,
-    /// Whether unused chunks may move ([`crate::PoolProps::defragment`]).
-    pub(crate) defragment: bool,
+    /// Which unused chunks may move ([`crate::PoolProps::defragment`]).
+    pub(crate) defragment: Defragment,
 }
 
 impl<B: Backend> Growth<'_, B> {
@@ -78,10 +79,9 @@ impl<B: Backend> Growth<'_, B> {
         mover: Option<u64>,
     ) -> Result<BlockId> {
         // Without defragmentation, nothing unused is moved: new memory only.
-        let free = if self.defragment {
-            self.free_units(mover)
-        } else {
-            Vec::new()
+        let free = match self.defragment {
+            Defragment::Off => Vec::new(),
+            scope => self.free_units(mover, scope),
         };
         let started = Instant::now();
         let plan = self.plan(arena, size, &free)?;
@@ -164,7 +164,7 @@ impl<B: Backend> Growth<'_, B> {
             start: prev_end,
             len: end - prev_end,
         });
-        let spares: Vec<u64> = if self.defragment {
+        let spares: Vec<u64> = if self.defragment != Defragment::Off {
             self.space
                 .spares()
                 .iter()
@@ -206,7 +206,9 @@ impl<B: Backend> Growth<'_, B> {
     /// unit holding live bytes shrinks the free space beside that partial
     /// unit, until nothing fits there and it is stranded; a block with
     /// whole units at both ends leaves none.
-    fn free_units(&self, mover: Option<u64>) -> Vec<FreeUnit> {
+    /// With [`Defragment::WholeRegions`], only the units of free blocks
+    /// that are whole mapped regions count.
+    fn free_units(&self, mover: Option<u64>, scope: Defragment) -> Vec<FreeUnit> {
         let whole_first = self.arenas[ArenaId::Large].policy.chunk_divisor.is_some();
         // Units are whole granules: the small arena's chunk size.
         let smallest_unit = self.arenas[ArenaId::Small].policy.chunk_size;
@@ -244,6 +246,11 @@ impl<B: Backend> Growth<'_, B> {
                     block,
                 });
             });
+        }
+        if scope == Defragment::WholeRegions {
+            let regions: FxHashSet<(u64, u64)> =
+                self.arenas.iter().flat_map(|a| a.heap.regions()).collect();
+            blocks.retain(|c| regions.contains(&(c.addr, c.len)));
         }
         blocks.sort_unstable_by_key(|c| (c.partial, c.addr));
         let mut found = Vec::new();
@@ -418,7 +425,11 @@ impl<B: Backend> Growth<'_, B> {
             .spares()
             .iter()
             .map(|c| (c.size() as u64, None))
-            .chain(self.free_units(None).into_iter().map(|u| (u.len, Some(u))))
+            .chain(
+                self.free_units(None, Defragment::Units)
+                    .into_iter()
+                    .map(|u| (u.len, Some(u))),
+            )
             .collect();
         candidates.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
         let mut after = reserved;

@@ -36,7 +36,7 @@ pub use graph_pools::{
 pub use ordering::{Event, Stream};
 pub use pool::{Pool, Retention, SleepLevel, SleepReport, WakeReport};
 pub use props::{
-    parse_bytes, parse_chunk_divisor, HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR,
+    parse_bytes, parse_chunk_divisor, Defragment, HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR,
     DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,
 };
 pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, UnitView};

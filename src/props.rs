@@ -45,10 +45,9 @@ pub struct PoolProps {
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.
     pub va_size: Option<u64>,
-    /// Whether growth may remap unused chunks (free units and spares) into
-    /// the new range. Off, the pool behaves like a conventional one: new
-    /// memory for every range that does not fit. On by default.
-    pub defragment: bool,
+    /// Which unused chunks growth may remap into the new range (see
+    /// [`Defragment`]); [`Defragment::Units`] by default.
+    pub defragment: Defragment,
     /// Record every allocation and free of the pool to this file, in the
     /// shared trace format (`vmpool-replay` replays it). `None`: the
     /// environment variable `VMPOOL_RECORD`, if set, names a path prefix,
@@ -57,6 +56,26 @@ pub struct PoolProps {
     /// How the pool's memory can be shared with other processes
     /// (`cudaMemPoolProps::handleTypes`); see [`crate::ipc`].
     pub handle_type: HandleType,
+}
+
+/// Which unused memory growth may move into a new range
+/// ([`PoolProps::defragment`]; Note [Growth and remapping] in
+/// docs/DESIGN.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Defragment {
+    /// Nothing: growth maps new memory for every range that does not fit,
+    /// as a conventional pool does.
+    Off,
+    /// Spare chunks and any free unit (the default): the least new memory
+    /// on a first pass, at the price of remapping on every later one.
+    #[default]
+    Units,
+    /// Spare chunks, and free units only of mapped regions with no live
+    /// byte: moving one then splits no region, so repeated work finds the
+    /// same layout and the pool stops remapping once it has seen its peak,
+    /// at a larger footprint on the first pass (docs/RESULTS.md, "Growth
+    /// that splits no region").
+    WholeRegions,
 }
 
 /// The kinds of handle a pool's memory can be exported as.
@@ -85,7 +104,7 @@ impl PoolProps {
             chunk_divisor: Some(DEFAULT_CHUNK_DIVISOR),
             granule_growth_below: DEFAULT_GRANULE_GROWTH_BELOW,
             va_size: None,
-            defragment: true,
+            defragment: Defragment::Units,
             record: None,
             handle_type: HandleType::None,
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
-use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
+use vmpool::{Allocation, Context, Defragment, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
 
 mod common;
 
@@ -450,7 +450,48 @@ pub fn pool_limit<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// `Defragment::WholeRegions` moves no unit out of a region that holds live
+/// bytes (which would split it); `Units` does, and `Off` moves nothing.
+pub fn whole_regions_split_no_region<B: TestBackend>(b: &Arc<B>) {
+    for (scope, moved) in [
+        (Defragment::Units, 1),
+        (Defragment::WholeRegions, 0),
+        (Defragment::Off, 0),
+    ] {
+        let ctx = Context::new(Arc::clone(b)).unwrap();
+        let pool = ctx
+            .create_pool(&PoolProps {
+                chunk_size: Some(2 * MIB),
+                chunk_divisor: None,
+                defragment: scope,
+                va_size: Some(4 << 30),
+                ..PoolProps::new(DEV)
+            })
+            .unwrap();
+        // One region of three units; the middle one freed.
+        let a = pool.allocate(2 * MIB).unwrap();
+        let hole = pool.allocate(2 * MIB).unwrap();
+        let c = pool.allocate(2 * MIB).unwrap();
+        pool.free(hole).unwrap();
+        let before = pool.stats();
+        let d = pool.allocate(4 * MIB).unwrap();
+        let after = pool.stats();
+        assert_eq!(after.remaps - before.remaps, moved, "{scope:?}");
+        assert_eq!(
+            after.chunks_created - before.chunks_created,
+            2 - moved,
+            "{scope:?}"
+        );
+        pool.audit().unwrap();
+        for x in [a, c, d] {
+            pool.free(x).unwrap();
+        }
+        pool.audit().unwrap();
+    }
+}
+
 suites!(
+    whole_regions_split_no_region,
     sizes_and_alignment,
     more_than_half_the_device,
     invalid_requests,

@@ -9,6 +9,7 @@ use crate::arena::{ArenaId, Arenas};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, Pending, StreamPos, StreamShared, Streams};
+use crate::props::Defragment;
 use crate::space::Space;
 use crate::{Error, Result};
 
@@ -72,7 +73,7 @@ pub(super) struct Inner<B: Backend> {
     pub(super) guards: Guards,
     pub(super) usage: Usage,
     pub(super) release_threshold: u64,
-    pub(super) defragment: bool,
+    pub(super) defragment: Defragment,
     /// The pool's id, for the logs.
     pool: u64,
     pub(super) calls: CallCounters,
@@ -93,7 +94,7 @@ impl<B: Backend> Inner<B> {
         arenas: Arenas,
         space: Space<B>,
         streams: Streams<B>,
-        defragment: bool,
+        defragment: Defragment,
         pool: u64,
     ) -> Self {
         Self {

@@ -44,7 +44,7 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
     assert!(ratios.windows(2).all(|w| w[0] <= w[1]), "{ratios:?}");
     assert_eq!(ratios[2], three["ratio"].as_f64().unwrap());
     // Without defragmentation nothing moves.
-    let fixed = run(&["--passes", "3", "--no-defragment"]);
+    let fixed = run(&["--passes", "3", "--defragment", "off"]);
     assert_eq!(fixed["remaps"], 0);
     assert!(fixed["allocator"]
         .as_str()

@@ -1,7 +1,8 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
-//!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered] [--no-defragment]
+//!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
+//!                   [--defragment off|units|whole-regions]
 //!                   [--passes N] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
@@ -29,7 +30,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
-use vmpool::{Context, PoolAttribute, PoolProps};
+use vmpool::{Context, Defragment, PoolAttribute, PoolProps};
 
 use vmpool_tools::{BackendKind, Bytes};
 
@@ -58,6 +59,24 @@ impl std::fmt::Display for Divisor {
 
 fn parse_divisor(s: &str) -> Result<Divisor, String> {
     vmpool::parse_chunk_divisor(s).map(Divisor)
+}
+
+/// `--defragment`: [`Defragment`] as the command line spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DefragmentArg {
+    Off,
+    Units,
+    WholeRegions,
+}
+
+impl From<DefragmentArg> for Defragment {
+    fn from(arg: DefragmentArg) -> Self {
+        match arg {
+            DefragmentArg::Off => Defragment::Off,
+            DefragmentArg::Units => Defragment::Units,
+            DefragmentArg::WholeRegions => Defragment::WholeRegions,
+        }
+    }
 }
 
 #[derive(Parser)]
@@ -92,10 +111,12 @@ struct Args {
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
     stream_ordered: bool,
-    /// vmpool only: never move unused chunks (`PoolProps::defragment`
-    /// off); growth creates new ones instead.
-    #[arg(long)]
-    no_defragment: bool,
+    /// vmpool only: which unused chunks growth may move
+    /// (`PoolProps::defragment`): none (`off`: growth creates new ones),
+    /// any free unit (`units`), or only units of regions with no live byte
+    /// (`whole-regions`).
+    #[arg(long, value_enum, default_value = "units")]
+    defragment: DefragmentArg,
     /// Replay the trace this many times on the same allocator, freeing
     /// what is still live at the end of each pass.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -388,15 +409,15 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
         bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
     }
-    if args.no_defragment && args.allocator != AllocatorKind::Vmpool {
-        bail!("--no-defragment is for vmpool");
+    if args.defragment != DefragmentArg::Units && args.allocator != AllocatorKind::Vmpool {
+        bail!("--defragment is for vmpool");
     }
     let passes = args.passes as usize;
     let props = PoolProps {
         chunk_size: args.chunk_size.map(|b| b.0),
         chunk_divisor: args.chunk_divisor.0,
         granule_growth_below: args.granule_growth_below.0,
-        defragment: !args.no_defragment,
+        defragment: args.defragment.into(),
         ..PoolProps::new(DeviceId(0))
     };
     if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
@@ -444,8 +465,10 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.stream_ordered {
         allocator += " (stream-ordered)";
     }
-    if args.no_defragment {
-        allocator += " (no defragmentation)";
+    match args.defragment {
+        DefragmentArg::Off => allocator += " (no defragmentation)",
+        DefragmentArg::WholeRegions => allocator += " (moving whole free regions only)",
+        DefragmentArg::Units => {}
     }
     if args.json {
         println!(
