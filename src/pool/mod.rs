@@ -59,6 +59,9 @@ struct Shared<B: Backend> {
     /// Allocations exported to other processes and their leases.
     exports: Exports<B>,
     device: DeviceId,
+    /// Asleep (see [`Pool::sleep`]): read by every free, some of which take
+    /// no lock, so on the first line with the rest they read.
+    asleep: AtomicBool,
     backend: Arc<B>,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -69,10 +72,10 @@ struct Shared<B: Backend> {
     /// Left out when a pool of the device asks the others to release unused
     /// memory: a graph pool's unused memory is what its graphs replay into.
     keeps_unused: AtomicBool,
-    /// Asleep (see [`Pool::sleep`]): read by the frees, which do not all
-    /// take the lock.
-    asleep: AtomicBool,
 }
+
+// What every call reads outside the lock lies on the first cache line.
+const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, asleep) < 64);
 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;

@@ -84,7 +84,7 @@ impl<B: Backend> Pool<B> {
     /// another process holds imports of the pool's memory.
     pub fn sleep(&self, level: SleepLevel, stream: &Stream<B>) -> Result<SleepReport> {
         self.same_device(stream)?;
-        if self.0.exports.any() && self.0.exports.leases() > 0 {
+        if self.0.exports.leases() > 0 {
             return Err(Error::SleepState("shared with another process"));
         }
         let report = self.lock().sleep(&self.0.backend, level, &stream.0)?;
