@@ -19,8 +19,12 @@ device's used memory from cuMemGetInfo, sampled after every step, less what
 was in use before the model was built), peak allocated (the allocator's own
 figure), their ratio, and the mean time per step after the warm-up steps
 (Python's garbage collector runs between steps, not inside them).
-Models are random-initialised from their configurations; nothing is
-downloaded. Every run uses the same seed and the same sequence of shapes,
+The workloads (scripts/torch_workloads.py says what each runs): GPT-2
+training and generation, ResNet-50 training, a decoder with grouped-query
+attention trained on lengths drawn each step, ViT-B/16 training, a
+diffusion UNet's training, a mixture of experts' training, and a serving
+loop of varying batches with a KV cache. Models are random-initialised
+from their configurations; nothing is downloaded. Every run uses the same seed and the same sequence of shapes,
 so the per-step losses (or generated tokens) must match native's.
 
 `--workloads gather-probe` runs a probe instead of a model: random reads
@@ -53,164 +57,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_cases import report, run_case  # noqa: E402
+from torch_workloads import BUILD, DEFAULT_CALLS_TRACE, PROBES  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
+# The three workloads of the first runs, what a run without --workloads
+# takes; torch_workloads.MODELS has all of them.
+DEFAULT_WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
 ALLOCATORS = {
     "native": "",
     "expandable": "expandable_segments:True",
     "cudaMallocAsync": "backend:cudaMallocAsync",
     "vmpool": "",
 }
-WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
-# Not models: run only when named in --workloads.
-PROBES = ["gather-probe", "calls-probe"]
 WARMUP = 3
 MIB = 1 << 20
 
 
-# ---- workloads (run in the child) ------------------------------------------
-
-
-def gpt2_model(torch, dev):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config()
-    # Eager attention: deterministic, and the allocation pattern of the
-    # attention matrices is the fragmenting one.
-    config._attn_implementation = "eager"
-    return GPT2LMHeadModel(config).to(dev), config
-
-
-def gpt2_train(torch, dev, rng, steps):
-    model, config = gpt2_model(torch, dev)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    shapes = [(rng.choice([2, 4, 8, 12, 16]), rng.choice([64, 128, 256, 384, 512, 768, 1024])) for _ in range(steps)]
-
-    def step(shape):
-        batch, seq = shape
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=dev)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return shapes, step
-
-
-def gpt2_generate(torch, dev, rng, steps):
-    model, config = gpt2_model(torch, dev)
-    model.eval()
-    shapes = [(rng.choice([1, 2, 4, 8]), rng.randint(16, 512), rng.randint(8, 64)) for _ in range(steps)]
-
-    def step(shape):
-        batch, prompt, new = shape
-        ids = torch.randint(1, config.vocab_size, (batch, prompt), device=dev)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        # A checksum of the generated tokens stands in for a loss.
-        return float(out[:, prompt:].sum().item())
-
-    return shapes, step
-
-
-def resnet50_train(torch, dev, rng, steps):
-    import torchvision
-
-    model = torchvision.models.resnet50(weights=None).to(dev)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    shapes = [(rng.choice([16, 32, 48, 64]), rng.choice([128, 160, 192, 224, 256])) for _ in range(steps)]
-
-    def step(shape):
-        batch, size = shape
-        x = torch.randn(batch, 3, size, size, device=dev)
-        y = torch.randint(0, 1000, (batch,), device=dev)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return shapes, step
-
-
-def gather_probe(torch, dev, rng, steps):
-    """Not a model: every step reads the same 64 Mi random 4-byte words of
-    one 16 GiB tensor. Such reads miss the GPU's address-translation caches,
-    so the step time shows whether the way an allocator maps its memory
-    (one allocation, 32 MiB chunks, 2 MiB chunks) changes how fast kernels
-    run."""
-    src = torch.arange(4 << 30, device=dev, dtype=torch.float32)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(rng.randrange(1 << 30))
-    idx = torch.randint(0, src.numel(), (1 << 26,), device=dev, generator=gen)
-
-    def step(_):
-        return float(src[idx].sum().item())
-
-    return [None] * steps, step
-
-
-def calls_probe(torch, dev, rng, steps):
-    """Not a model: every step replays the allocations and frees of a trace
-    recorded under PyTorch (`--calls-trace FILE`; by default GPT-2
-    training's, `traces/gpt2_train_torch.trace.gz`, 57,653 calls) through
-    `torch.cuda.caching_allocator_alloc` / `_delete` on the current stream,
-    and launches nothing. The first step grows the pool; later ones show
-    what the calls cost through PyTorch's allocator interface (its Python
-    loop, the same under every allocator, included)."""
-    import gzip
-
-    given = os.environ.get("VMPOOL_CALLS_TRACE")
-    trace = Path(given) if given else next(
-        p for p in (HERE.parent / "traces" / "gpt2_train_torch.trace.gz",
-                    HERE / "traces" / "gpt2_train_torch.trace.gz") if p.is_file())
-    ops = []
-    with open(trace, "rb") as head:
-        gzipped = head.read(2) == b"\x1f\x8b"
-    with (gzip.open(trace, "rt") if gzipped else open(trace)) as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0] == "a":
-                ops.append((int(fields[1]), int(fields[2])))
-            elif fields and fields[0] == "f":
-                ops.append((int(fields[1]), None))
-    stream = torch.cuda.current_stream().cuda_stream
-    device = torch.cuda.current_device()
-    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
-
-    def step(_):
-        live = {}
-        for id_, size in ops:
-            if size is None:
-                delete(live.pop(id_))
-            else:
-                live[id_] = alloc(size, device, stream)
-        for ptr in live.values():
-            delete(ptr)
-        return float(len(ops))
-
-    return [None] * steps, step
-
-
-BUILD = {
-    "gpt2-train": gpt2_train,
-    "gpt2-generate": gpt2_generate,
-    "resnet50-train": resnet50_train,
-    "gather-probe": gather_probe,
-    "calls-probe": calls_probe,
-}
+# ---- a run (the child) --------------------------------------------------------
 
 
 def child(args):
@@ -459,7 +321,7 @@ def run_child(workload, allocator, args):
         print(f"   {allocator} log: {line}")
     result["wall_s"] = wall
     if workload == "calls-probe":
-        result["calls_trace"] = args.calls_trace or "traces/gpt2_train_torch.trace.gz"
+        result["calls_trace"] = args.calls_trace or f"traces/{DEFAULT_CALLS_TRACE}"
     return result
 
 
@@ -549,10 +411,10 @@ def table(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--workload", choices=WORKLOADS + PROBES)
+    p.add_argument("--workload", choices=list(BUILD))
     p.add_argument("--allocator")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"from {', '.join(WORKLOADS + PROBES)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"from {', '.join(BUILD)} (default: {', '.join(DEFAULT_WORKLOADS)})")
     p.add_argument("--allocators", default=",".join(ALLOCATORS))
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=1, help="runs of each allocator, interleaved")
