@@ -17,26 +17,34 @@ Runs each workload in a process of its own under each allocator:
 and reports, per run: peak reserved (the allocator's own figure, and the
 device's used memory from cuMemGetInfo, sampled after every step, less what
 was in use before the model was built), peak allocated (the allocator's own
-figure), their ratio, and the mean time per step after the warm-up steps
-(Python's garbage collector runs between steps, not inside them).
+figure), their ratio (the footprint), and the mean time per step after the
+warm-up steps (Python's garbage collector runs between steps, not inside
+them). For long runs it keeps the footprint as it was after steps 24 and
+100 and at the end, and counts the steps that did driver work (vmpool:
+mapped or unmapped chunks; native: allocated or freed a segment), in all
+and after step 50, when a pool that has settled should do none.
+
 The workloads (scripts/torch_workloads.py says what each runs): GPT-2
 training and generation, ResNet-50 training, a decoder with grouped-query
 attention trained on lengths drawn each step, ViT-B/16 training, a
 diffusion UNet's training, a mixture of experts' training, and a serving
 loop of varying batches with a KV cache. Models are random-initialised
-from their configurations; nothing is downloaded. Every run uses the same seed and the same sequence of shapes,
-so the per-step losses (or generated tokens) must match native's.
+from their configurations; nothing is downloaded. Every run uses the same
+seed and the same sequence of shapes, so the per-step losses (or generated
+tokens) must match native's.
 
 `--workloads gather-probe` runs a probe instead of a model: random reads
 over one 16 GiB tensor, to see whether the way an allocator maps its memory
 changes how fast kernels run. `--workloads calls-probe` replays the
-allocation calls of a trace recorded under PyTorch (`--calls-trace FILE`;
-by default GPT-2 training's, traces/gpt2_train_torch.trace.gz) through
-PyTorch's allocator interface, with no kernels: what an allocator's calls
-cost on PyTorch's own path.
+allocation calls of traces (`--calls-trace FILE[,FILE...]`, any trace in
+the shared format; by default GPT-2 training's,
+traces/gpt2_train_torch.trace.gz) through PyTorch's allocator interface,
+with no kernels: what an allocator's calls cost on PyTorch's own path.
+Each trace is a workload of its own in the table.
 
     python3 scripts/pytorch_compare.py [--steps N] [--repeats R] [--workloads a,b]
                                        [--allocators a,b] [--json OUT.json] [--record DIR]
+    python3 scripts/pytorch_compare.py --table A.json [B.json ...]
 
 Needs a GPU, PyTorch, transformers and torchvision (the GPU machine has
 them), and libvmpool_c.so (see vmpool_torch.library_path). Exits non-zero
@@ -57,10 +65,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_cases import report, run_case  # noqa: E402
-from torch_workloads import BUILD, DEFAULT_CALLS_TRACE, PROBES  # noqa: E402
+from torch_workloads import BUILD, DEFAULT_CALLS_TRACE, MODELS, PROBES  # noqa: E402
 
 # The three workloads of the first runs, what a run without --workloads
-# takes; torch_workloads.MODELS has all of them.
+# takes; MODELS (all eight) is what gpu-run.sh's long job runs.
 DEFAULT_WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
 ALLOCATORS = {
     "native": "",
@@ -106,10 +114,18 @@ def child(args):
     # vmpool only: chunks each step mapped (new or moved), and the time
     # spent in vmpool's calls (VMPOOL_TIMING).
     step_maps, step_call_ms = [], []
-    # vmpool only: its counters summed over the timed steps that mapped no
-    # chunk, where its calls are all bookkeeping (CALL_COUNTERS).
+    # vmpool only: its counters summed over the timed steps that made no
+    # driver call, where its calls are all bookkeeping (CALL_COUNTERS).
     quiet = dict.fromkeys(CALL_COUNTERS, 0)
     quiet["steps"] = 0
+    # After every step: the footprint so far (peak reserved over peak
+    # allocated), and the driver calls the step made: vmpool's maps and
+    # unmaps of chunks; native's segments allocated and freed, each one
+    # cudaMalloc or cudaFree. Expandable segments and cudaMallocAsync
+    # count nothing that says what they asked of the driver: none.
+    step_footprint, step_driver_calls = [], []
+    native = args.allocator == "native"
+    segments = segment_calls(torch.cuda.memory_stats()) if native else None
     for index, shape in enumerate(shapes):
         before = vmpool.stats() if vmpool is not None else None
         # Python's collector runs outside the timed window: when it runs
@@ -129,10 +145,19 @@ def child(args):
             after = vmpool.stats()
             step_maps.append(mapped(after) - mapped(before))
             step_call_ms.append((after["call_nanos"] - before["call_nanos"]) / 1e6)
-            if index >= WARMUP and step_maps[-1] == 0:
+            step_driver_calls.append(driver_calls(after) - driver_calls(before))
+            step_footprint.append(after["reserved_high"] / after["used_high"] if after["used_high"] else math.nan)
+            if index >= WARMUP and step_driver_calls[-1] == 0:
                 quiet["steps"] += 1
                 for k in CALL_COUNTERS:
                     quiet[k] += after[k] - before[k]
+        else:
+            memory = torch.cuda.memory_stats()
+            peak = memory.get("allocated_bytes.all.peak", 0)
+            step_footprint.append(memory.get("reserved_bytes.all.peak", 0) / peak if peak else math.nan)
+            if native:
+                step_driver_calls.append(segment_calls(memory) - segments)
+                segments += step_driver_calls[-1]
         free, _ = torch.cuda.mem_get_info()
         device_peak = max(device_peak, total - free - baseline)
 
@@ -151,18 +176,32 @@ def child(args):
     if vmpool is not None:
         s = vmpool.stats()
         reserved, allocated = s["reserved_high"], s["used_high"]
-        extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "grows", "refused_frees",
-                                   "timed_calls", "call_nanos")}
+        extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "chunks_released", "grows",
+                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos")}
     else:
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         extra = {}
     timed = times[WARMUP:] or times
+    # The footprint as it was after step 24 (the length of the short runs),
+    # after step 100, and at the end: whether it creeps up over a long run.
+    extra["step_footprint"] = step_footprint
+    extra["footprint_at"] = {**{str(n): step_footprint[n - 1] if len(step_footprint) >= n else None
+                                for n in FOOTPRINT_AT}, "last": step_footprint[-1] if step_footprint else None}
+    if vmpool is not None or native:
+        # Steps with driver work, in all and after step SETTLED, by when a
+        # pool that has grown to the workload should need none.
+        extra["step_driver_calls"] = step_driver_calls
+        extra["driver_steps"] = sum(1 for n in step_driver_calls if n)
+        extra["settled_after"] = SETTLED
+        extra["driver_steps_after_settled"] = (sum(1 for n in step_driver_calls[SETTLED:] if n)
+                                               if len(step_driver_calls) > SETTLED else None)
     if vmpool is not None:
-        # Steps after the warm-up, split by whether they grew or moved chunks:
-        # tells the driver's share of the step time from the rest.
-        split = list(zip(times, step_maps))[WARMUP:] or list(zip(times, step_maps))
-        with_driver = [t for t, maps in split if maps]
-        without = [t for t, maps in split if not maps]
+        # Steps after the warm-up, split by whether they made driver calls
+        # (mapped or unmapped chunks): tells the driver's share of the step
+        # time from the rest.
+        split = list(zip(times, step_driver_calls))[WARMUP:] or list(zip(times, step_driver_calls))
+        with_driver = [t for t, calls in split if calls]
+        without = [t for t, calls in split if not calls]
         extra["step_maps"] = step_maps
         extra["step_call_ms"] = step_call_ms
         extra["calls_without_driver_work"] = quiet
@@ -190,6 +229,11 @@ def child(args):
 # ---- the comparison (parent) ---------------------------------------------------
 
 
+# The steps after which the footprint is kept (besides the last), and the
+# step after which a pool that has grown to its workload should make no
+# more driver calls.
+FOOTPRINT_AT = (24, 100)
+SETTLED = 50
 # vmpool's counters that say where its calls' time goes.
 CALL_COUNTERS = ("timed_calls", "call_nanos", "timed_frees", "free_nanos", "allocations",
                  "same_stream_reuses", "frees_merged", "frees_completed", "events_recorded",
@@ -197,7 +241,7 @@ CALL_COUNTERS = ("timed_calls", "call_nanos", "timed_frees", "free_nanos", "allo
 
 
 def calls_breakdown(q):
-    """One line on vmpool's calls in the timed steps that mapped nothing."""
+    """One line on vmpool's calls in the timed steps that made no driver call."""
     if not q or not q["steps"] or not q["timed_calls"]:
         return None
     allocs = q["timed_calls"] - q["timed_frees"]
@@ -205,7 +249,7 @@ def calls_breakdown(q):
     def per_step(k):
         return q[k] / q["steps"]
 
-    return (f"steps that mapped nothing ({q['steps']}): {per_step('timed_calls'):.0f} calls a step, "
+    return (f"steps with no driver call ({q['steps']}): {per_step('timed_calls'):.0f} calls a step, "
             f"allocations {(q['call_nanos'] - q['free_nanos']) / max(allocs, 1):.0f} ns "
             f"({100 * q['same_stream_reuses'] / max(q['allocations'], 1):.0f} % without the pool's lock), "
             f"frees {q['free_nanos'] / max(q['timed_frees'], 1):.0f} ns; a step: "
@@ -216,6 +260,17 @@ def calls_breakdown(q):
 def mapped(stats):
     """Chunks vmpool has mapped so far, new or moved."""
     return stats["chunks_created"] + stats["remaps"]
+
+
+def driver_calls(stats):
+    """Driver calls vmpool has made so far: chunks mapped and unmapped."""
+    return stats["maps"] + stats["unmaps"]
+
+
+def segment_calls(memory):
+    """cudaMalloc and cudaFree calls PyTorch's caching allocator has made
+    so far (torch.cuda.memory_stats(): segments allocated and freed)."""
+    return memory.get("segment.all.allocated", 0) + memory.get("segment.all.freed", 0)
 
 
 def is_vmpool(allocator):
@@ -283,7 +338,25 @@ def check_allocator(allocator):
                          "vmpool/N or vmpool=PATH")
 
 
-def run_child(workload, allocator, args):
+def trace_name(path):
+    """A trace's file name without .trace.gz (or .trace)."""
+    name = Path(path).name
+    for suffix in (".gz", ".trace"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def label(result):
+    """What the tables call a run's workload: its name, and for the calls
+    probe the trace it replayed (each trace a workload of its own)."""
+    trace = result.get("calls_trace")
+    return f"{result['workload']} {trace_name(trace)}" if trace else result["workload"]
+
+
+def run_child(workload, allocator, args, trace=None):
+    """One run of `workload` under `allocator` in a process of its own
+    (`trace`: the calls probe's trace, None for its default); its result,
+    None when it failed."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if ALLOCATORS.get(allocator):
@@ -304,24 +377,25 @@ def run_child(workload, allocator, args):
         env["VMPOOL_TIMING"] = "0" if args.no_call_timing else "1"
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env["PYTHONUNBUFFERED"] = "1"
+    name = f"{workload}-{trace_name(trace)}" if trace else workload
     if args.record and is_vmpool(allocator):
         Path(args.record).mkdir(parents=True, exist_ok=True)
-        env["VMPOOL_RECORD"] = str(Path(args.record) / workload)
-    if args.calls_trace:
-        env["VMPOOL_CALLS_TRACE"] = str(Path(args.calls_trace).resolve())
+        env["VMPOOL_RECORD"] = str(Path(args.record) / name)
+    if trace:
+        env["VMPOOL_CALLS_TRACE"] = str(Path(trace).resolve())
     started = time.perf_counter()
     result, proc = run_case(Path(__file__).resolve(), "--child", "--workload", workload, "--allocator",
                             allocator, "--steps", str(args.steps), "--seed", str(args.seed), env=env,
-                            timeout=args.timeout, label=f"!! {workload} / {allocator}")
+                            timeout=args.timeout, label=f"!! {name} / {allocator}")
     wall = time.perf_counter() - started
     if result is None:
         return None
-    noise = [l for l in proc.stderr.splitlines() if "vmpool" in l and ("ERROR" in l or "WARN" in l)]
+    noise = [line for line in proc.stderr.splitlines() if "vmpool" in line and ("ERROR" in line or "WARN" in line)]
     for line in noise[:10]:
         print(f"   {allocator} log: {line}")
     result["wall_s"] = wall
     if workload == "calls-probe":
-        result["calls_trace"] = args.calls_trace or f"traces/{DEFAULT_CALLS_TRACE}"
+        result["calls_trace"] = trace or f"traces/{DEFAULT_CALLS_TRACE}"
     return result
 
 
@@ -345,10 +419,10 @@ def table(results):
     print("| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
           "| reserved / allocated | ms per step (range of runs) | vs native | losses |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for workload in dict.fromkeys(r["workload"] for r in results):
+    for workload in dict.fromkeys(label(r) for r in results):
         summary = {}
         for allocator in dict.fromkeys(r["allocator"] for r in results):
-            runs = [r for r in results if r["workload"] == workload and r["allocator"] == allocator]
+            runs = [r for r in results if label(r) == workload and r["allocator"] == allocator]
             if runs:
                 times = [r["ms_per_step"] for r in runs]
                 summary[allocator] = (max(runs, key=lambda r: r["ratio"]), step_time(runs),
@@ -387,7 +461,7 @@ def table(results):
         partial = f" (without {', '.join(missing)}: a partial check)" if missing else ""
         for allocator, v in summary.items():
             # The issue's footprint bar is for the models, not the probes.
-            if not others or not is_vmpool(allocator) or workload in PROBES:
+            if not others or not is_vmpool(allocator) or v[4][0]["workload"] in PROBES:
                 continue
             ratio = v[0]["ratio"]
             best = min(others.values())
@@ -396,7 +470,7 @@ def table(results):
                   f"and 1.02: {'met' if ratio <= min(best, 1.02) else 'NOT met'}{partial} | | | | | | | |")
         # The time bar: within 3 % of native's time per step.
         for allocator, v in summary.items():
-            if native is None or not is_vmpool(allocator) or workload in PROBES:
+            if native is None or not is_vmpool(allocator) or v[4][0]["workload"] in PROBES:
                 continue
             speed = v[1] / native[1]
             interval = intervals[allocator]
@@ -408,13 +482,72 @@ def table(results):
     return failed
 
 
+def highest(values):
+    """The highest of `values` that are numbers (None and NaN left out);
+    None when none is."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return max(values) if values else None
+
+
+def long_table(results):
+    """Prints what the long runs show, per workload and allocator: the time
+    per step against native's (with the bootstrap interval, and each step's
+    fastest run against native's), the footprint after steps 24 and 100
+    and at the end (the highest of the runs), and how many of the steps
+    after the pool should have settled made driver calls. Nothing for
+    results from before these were kept."""
+    if not any("footprint_at" in r for r in results):
+        return
+    print()
+    print("Long runs. Time: as above; in brackets, the bootstrap's 5th-95th percentiles. Fastest: each "
+          "step's fastest run, summed, against native's. Footprint: peak reserved over peak allocated as it "
+          "was after that step, the highest of the runs. Driver calls: steps that mapped or unmapped chunks "
+          "(vmpool) or allocated or freed segments (native), of all the runs' steps after the step named.")
+    print()
+    print("| workload | allocator | runs x steps | time vs native | fastest vs native "
+          f"| footprint after {FOOTPRINT_AT[0]} | after {FOOTPRINT_AT[1]} | at the end | steps with driver calls |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for workload in dict.fromkeys(label(r) for r in results):
+        by_allocator = {}
+        for r in results:
+            if label(r) == workload:
+                by_allocator.setdefault(r["allocator"], []).append(r)
+        native = by_allocator.get("native")
+        for allocator, runs in by_allocator.items():
+            speed = fastest = "-"
+            if allocator == "native":
+                speed = "1.000"
+            elif native:
+                speed = f"{step_time(runs) / step_time(native):.3f}"
+                interval = speed_interval(runs, native)
+                if interval:
+                    speed += f" ({interval[0]:.3f}-{interval[1]:.3f})"
+                ratio = fastest_ratio(runs, native)
+                if ratio is not None:
+                    fastest = f"{ratio:.3f}"
+            footprints = []
+            for at in [*map(str, FOOTPRINT_AT), "last"]:
+                value = highest(r.get("footprint_at", {}).get(at) for r in runs)
+                footprints.append("-" if value is None else f"{value:.4f}")
+            settled = [(r["driver_steps_after_settled"], r["steps"] - r["settled_after"], r["settled_after"])
+                       for r in runs if r.get("driver_steps_after_settled") is not None]
+            if settled:
+                driver, of = sum(d for d, _, _ in settled), sum(n for _, n, _ in settled)
+                calls = f"{100 * driver / of:.1f} % ({driver} of {of} after step {settled[0][2]})"
+            else:
+                calls = "-"
+            print(f"| {workload} | {allocator} | {len(runs)} x {runs[0]['steps']} | {speed} | {fastest} "
+                  f"| {' | '.join(footprints)} | {calls} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", choices=list(BUILD))
     p.add_argument("--allocator")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                   help=f"from {', '.join(BUILD)} (default: {', '.join(DEFAULT_WORKLOADS)})")
+                   help=f"from {', '.join(BUILD)}, or models: all {len(MODELS)} but the probes "
+                        f"(default: {', '.join(DEFAULT_WORKLOADS)})")
     p.add_argument("--allocators", default=",".join(ALLOCATORS))
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=1, help="runs of each allocator, interleaved")
@@ -424,62 +557,87 @@ def main():
     p.add_argument("--no-call-timing", action="store_true",
                    help="vmpool runs without VMPOOL_TIMING: no time of its own calls, none of the "
                         "clock reads' cost in its step time")
-    p.add_argument("--table", metavar="JSON", help="print the table of an earlier run's --json and exit")
-    p.add_argument("--calls-trace", metavar="FILE",
-                   help="the trace the calls probe replays (gzip or plain; default: GPT-2 training's)")
+    p.add_argument("--table", metavar="JSON", nargs="+",
+                   help="print the tables of earlier runs' --json (several: their runs together) and exit")
+    p.add_argument("--calls-trace", metavar="FILE[,FILE...]",
+                   help="the traces the calls probe replays, each a workload of its own (the shared format, "
+                        "gzip or plain; default: GPT-2 training's)")
     p.add_argument("--record", metavar="DIR", help="vmpool runs write their allocation traces here "
                    "(VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay")
     args = p.parse_args()
     if args.child:
         return child(args)
     if args.table:
-        return 1 if table(json.loads(Path(args.table).read_text())) else 0
+        results = [r for path in args.table for r in json.loads(Path(path).read_text())]
+        failed = table(results)
+        long_table(results)
+        return 1 if failed else 0
 
     allocators = args.allocators.split(",")
     for allocator in allocators:
         check_allocator(allocator)
-    for workload in args.workloads.split(","):
+    workloads = [w for name in args.workloads.split(",") for w in (MODELS if name == "models" else [name])]
+    for workload in workloads:
         if workload not in BUILD:
-            raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(BUILD)}")
+            raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(BUILD)}, or models")
+    traces = args.calls_trace.split(",") if args.calls_trace else [None]
+    for trace in traces:
+        if trace is not None and not Path(trace).is_file():
+            raise SystemExit(f"--calls-trace: no file {trace!r}")
     results, failed = [], False
-    for workload in args.workloads.split(","):
-        # Repeats interleave the allocators (A B C A B C ...), so that a
-        # drift of the machine over time falls on all of them alike.
-        for repeat in range(args.repeats):
-            for allocator in allocators:
-                r = run_child(workload, allocator, args)
-                if r is None:
-                    failed = True
-                    continue
-                r["repeat"] = repeat
-                results.append(r)
-                if args.json:
-                    # After every run, so that a run cut short keeps the ones done.
-                    Path(args.json).write_text(json.dumps(results, indent=1))
-                print(f"{workload:15} {allocator:16} reserved {r['peak_reserved'] / MIB:9.1f} MiB  "
-                      f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
-                      f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
-                      f"({r['wall_s']:.0f} s)", flush=True)
-                print(f"{'':15} {'':16} after torch.cuda.empty_cache(): reserved "
-                      f"{r['reserved_after_empty_cache'] / MIB:.1f} MiB, device "
-                      f"{r['device_after_empty_cache'] / MIB:.1f} MiB", flush=True)
-                if "steps_with_driver_work" in r:
-                    print(f"{'':15} {'':16} timed steps that mapped chunks: {r['steps_with_driver_work']} "
-                          f"({sum(r['step_maps'][WARMUP:])} chunks), "
-                          f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
-                          f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms",
-                          flush=True)
-                    calls = r["step_call_ms"][WARMUP:] or r["step_call_ms"]
-                    if r["timed_calls"]:
-                        print(f"{'':15} {'':16} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed "
-                              f"step on average ({r['timed_calls']} calls in the run)", flush=True)
-                    breakdown = calls_breakdown(r.get("calls_without_driver_work"))
-                    if breakdown:
-                        print(f"{'':15} {'':16} {breakdown}", flush=True)
+    for workload in workloads:
+        for trace in traces if workload == "calls-probe" else [None]:
+            # Repeats interleave the allocators (A B C A B C ...), so that a
+            # drift of the machine over time falls on all of them alike.
+            for repeat in range(args.repeats):
+                for allocator in allocators:
+                    r = run_child(workload, allocator, args, trace)
+                    if r is None:
+                        failed = True
+                        continue
+                    r["repeat"] = repeat
+                    results.append(r)
+                    if args.json:
+                        # After every run, so that a run cut short keeps the ones done.
+                        Path(args.json).write_text(json.dumps(results, indent=1))
+                    print_run(r)
 
     if results:
         failed |= table(results)
+        long_table(results)
     return 1 if failed else 0
+
+
+def print_run(r):
+    """A run's lines, as it ends."""
+    pad = f"{'':15} {'':16}"
+    print(f"{label(r):15} {r['allocator']:16} reserved {r['peak_reserved'] / MIB:9.1f} MiB  "
+          f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
+          f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
+          f"({r['wall_s']:.0f} s)", flush=True)
+    print(f"{pad} after torch.cuda.empty_cache(): reserved {r['reserved_after_empty_cache'] / MIB:.1f} MiB, "
+          f"device {r['device_after_empty_cache'] / MIB:.1f} MiB", flush=True)
+    at = ", ".join(f"{'at the end' if k == 'last' else 'after step ' + k} {v:.4f}"
+                   for k, v in r["footprint_at"].items() if v is not None)
+    driver = ""
+    if "driver_steps" in r:
+        driver = f"; steps with driver calls: {r['driver_steps']} of {r['steps']}"
+        if r["driver_steps_after_settled"] is not None:
+            driver += (f", {r['driver_steps_after_settled']} of the {r['steps'] - r['settled_after']} "
+                       f"after step {r['settled_after']}")
+    print(f"{pad} footprint {at}{driver}", flush=True)
+    if "steps_with_driver_work" in r:
+        print(f"{pad} timed steps with driver calls: {r['steps_with_driver_work']} "
+              f"({sum(r['step_maps'][WARMUP:])} chunks mapped), "
+              f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
+              f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms", flush=True)
+        calls = r["step_call_ms"][WARMUP:] or r["step_call_ms"]
+        if r["timed_calls"]:
+            print(f"{pad} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed "
+                  f"step on average ({r['timed_calls']} calls in the run)", flush=True)
+        breakdown = calls_breakdown(r.get("calls_without_driver_work"))
+        if breakdown:
+            print(f"{pad} {breakdown}", flush=True)
 
 
 if __name__ == "__main__":
