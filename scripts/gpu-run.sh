@@ -5,12 +5,24 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [c-calls] [multi]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [c-calls] [multi]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
 # torch: scripts/pytorch_compare.py with TORCH_ARGS (e.g. "--steps 3
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
+#
+# long: scripts/pytorch_compare.py over the models in WORKLOADS (default
+# all eight), native and vmpool interleaved, REPEATS runs (default 3) of
+# STEPS steps (default 300) each, to $OUT/long.json; then one vmpool run of
+# RECORD_STEPS steps (default 24) of each workload in RECORD (default the
+# five added for issue 23; empty: none) records its allocation trace to
+# $OUT/traces, gzipped. docs/GPU.md says how long each workload takes.
+#
+# calls: the calls probe over the bundled traces named in CALLS_TRACES
+# (comma-separated names without .trace.gz; default all), native and
+# vmpool, REPEATS runs (default 3) of CALLS_STEPS steps (default 12), to
+# $OUT/calls.json.
 #
 # record-stream: scripts/torch_record_stream.py, whether memory another
 # stream still uses (Tensor.record_stream) is reused under it.
@@ -91,7 +103,8 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | record-stream | graphs | limits | stats | wheel | torch-sleep) parts=torch ;;
+    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep) parts=torch ;;
+    calls) parts="torch traces" ;;
     *) parts= ;;
     esac
     missing=
@@ -140,6 +153,32 @@ for job in $jobs; do
     torch)
         # shellcheck disable=SC2086 # TORCH_ARGS is a list of arguments
         run "pytorch compare" python3 "$here/torch/pytorch_compare.py" ${TORCH_ARGS:-} --json "$outdir/pytorch_compare.json"
+        ;;
+    long)
+        steps=${STEPS:-300}
+        # A run's limit grows with its steps: gpt2-generate takes about
+        # half a second a step.
+        run "pytorch long runs" python3 "$here/torch/pytorch_compare.py" --workloads "${WORKLOADS:-models}" \
+            --allocators native,vmpool --repeats "${REPEATS:-3}" --steps "$steps" --timeout $((120 + 2 * steps)) \
+            --json "$outdir/long.json"
+        record=${RECORD-gqa-decoder-train,vit-train,unet-train,moe-train,serve-loop}
+        if [ -n "$record" ]; then
+            # Apart from the timed runs: writing the trace costs time in
+            # every call.
+            run "pytorch long runs, recording" python3 "$here/torch/pytorch_compare.py" --workloads "$record" \
+                --allocators vmpool --steps "${RECORD_STEPS:-24}" --record "$outdir/traces" \
+                --json "$outdir/long-record.json"
+            for trace in "$outdir"/traces/*.trace; do
+                [ -f "$trace" ] && gzip -f "$trace"
+            done
+        fi
+        ;;
+    calls)
+        names=${CALLS_TRACES:-$(cd "$here/traces" && ls -- *.trace.gz | sed 's/\.trace\.gz$//' | paste -sd, -)}
+        traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$here/traces/&.trace.gz|" | paste -sd, -)
+        run "pytorch calls probe" python3 "$here/torch/pytorch_compare.py" --workloads calls-probe \
+            --calls-trace "$traces" --allocators native,vmpool --repeats "${REPEATS:-3}" \
+            --steps "${CALLS_STEPS:-12}" --json "$outdir/calls.json"
         ;;
     record-stream)
         run "pytorch record_stream" python3 "$here/torch/torch_record_stream.py"
