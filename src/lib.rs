@@ -15,6 +15,7 @@ mod graph_pools;
 mod growth;
 mod heap;
 pub mod ipc;
+mod mem_pools;
 mod ordering;
 mod plan;
 mod pool;
@@ -32,6 +33,9 @@ pub use context::Context;
 pub use error::{AuditError, Error, Result};
 pub use graph_pools::{
     Closed, GraphAllocation, GraphPoolError, GraphPoolId, GraphPools, GraphPoolsStats,
+};
+pub use mem_pools::{
+    MemPoolAllocation, MemPoolError, MemPoolId, MemPools, MemPoolsStats, Release, Released,
 };
 pub use ordering::{Event, Stream};
 pub use pool::{Pool, Retention, SleepLevel, SleepReport, WakeReport};
