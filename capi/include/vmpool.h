@@ -93,6 +93,25 @@ void vmpool_begin_allocate_to_pool(int device, vmpool_mempool_id_t pool, const v
 void vmpool_end_allocate_to_pool(int device, vmpool_mempool_id_t pool);
 void vmpool_release_pool(int device, vmpool_mempool_id_t pool);
 
+/* Memory pools (torch.cuda.MemPool, torch.cuda.use_mem_pool). An id made a
+ * memory pool by vmpool_mem_pool_create gets a vmpool pool of its own, and
+ * the three hooks above mean, for it: begin puts the calling thread in it
+ * (its allocations on the device, on any stream, come from it: a capturing
+ * stream goes to an open graph pool first), end takes the thread out, and
+ * release does nothing (use_mem_pool ends with it). One pool at a time per
+ * thread and device; a free goes back to the pool it came from, from any
+ * thread. vmpool_mem_pool_release lets the pool go with its memory and its
+ * address space: when = VMPOOL_RELEASE_NOW is refused while an allocation
+ * of it is live, VMPOOL_RELEASE_WITH_LAST_FREE lets it go with the last
+ * one. Returns 0 gone, 1 going with its last free, -1 refused (an unknown
+ * id, a thread in it, allocations live; logged). vmpool_empty_cache trims
+ * memory pools too; vmpool_sleep leaves them awake. vmpool_mem_pool_stats:
+ * the pool's own figures (the pool fields of vmpool_stats_t). */
+#define VMPOOL_RELEASE_NOW 0
+#define VMPOOL_RELEASE_WITH_LAST_FREE 1
+int vmpool_mem_pool_create(int device, vmpool_mempool_id_t pool);
+int vmpool_mem_pool_release(int device, vmpool_mempool_id_t pool, int when);
+
 /* Waits for every stream vmpool has seen on `device`; then their frees are
  * reusable on every stream, the pool keeps at most its release threshold,
  * and vmpool forgets the streams (it adopts them again at their next use).
@@ -157,10 +176,12 @@ typedef struct {
     uint64_t same_stream_reuses;      /* allocations served without the pool's lock, by the stream's own frees */
     uint64_t frees_merged, frees_completed; /* stream-ordered frees back in the free space: early for their own stream, or once it passed them */
     uint64_t events_recorded, waits_inserted; /* events recorded to learn when frees complete; waits to reuse another stream's */
+    uint64_t mem_pools, mem_pool_reserved_bytes, mem_pool_used_bytes; /* memory pools, their memory and live bytes */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */
 vmpool_stats_t vmpool_stats(int device);
+vmpool_stats_t vmpool_mem_pool_stats(int device, vmpool_mempool_id_t pool);
 
 /* Writes the pool's address-space map to stderr. 0 / -1. */
 int vmpool_print_snapshot(int device);

@@ -2,7 +2,7 @@
 //! sees NULL or -1.
 
 use vmpool::vmm::DeviceId;
-use vmpool::{GraphPoolError, GraphPoolId};
+use vmpool::{GraphPoolError, GraphPoolId, MemPoolError, MemPoolId};
 
 /// Why a call did nothing. Logged by the C layer, which can only return
 /// NULL or -1.
@@ -51,6 +51,13 @@ pub enum CallError {
     /// A graph pool refusal the other variants do not name.
     #[error("graph pools of device {device}: {source}")]
     GraphPools { device: u32, source: GraphPoolError },
+    /// A memory pool (`torch.cuda.MemPool`) refusal.
+    #[error("memory pools of device {device}: {source}")]
+    MemPool { device: u32, source: MemPoolError },
+    #[error("memory pool {id} on device {device}: a graph pool has that id")]
+    IdOfAGraph { device: i64, id: MemPoolId },
+    #[error("memory pool {id} on device {device}: it does not exist")]
+    NoMemPool { device: i64, id: MemPoolId },
 }
 
 impl CallError {
@@ -66,6 +73,17 @@ impl CallError {
             GraphPoolError::WhichCapture { open } => CallError::WhichCapture { device, open },
             GraphPoolError::Pool(err) => CallError::Vmpool(err),
             source => CallError::GraphPools { device, source },
+        }
+    }
+
+    /// `err` of `device`'s memory pools, in the C layer's words.
+    pub(crate) fn mem_pool(device: DeviceId, err: MemPoolError) -> Self {
+        match err {
+            MemPoolError::Pool(err) => CallError::Vmpool(err),
+            source => CallError::MemPool {
+                device: device.0,
+                source,
+            },
         }
     }
 }

@@ -4,7 +4,9 @@
 //! loads the library and calls [`vmpool_alloc`] and [`vmpool_free`] for
 //! every tensor; [`vmpool_record_stream`] for `Tensor.record_stream`;
 //! [`vmpool_begin_allocate_to_pool`], [`vmpool_end_allocate_to_pool`] and
-//! [`vmpool_release_pool`] around CUDA graph captures;
+//! [`vmpool_release_pool`] around CUDA graph captures, and around
+//! `torch.cuda.use_mem_pool` for a pool [`vmpool_mem_pool_create`] made
+//! (`mem_pool_exports`);
 //! [`vmpool_empty_cache`] and [`vmpool_set_memory_fraction`] for
 //! `torch.cuda.empty_cache` and `set_per_process_memory_fraction`
 //! (the Python package `python/vmpool` does the set-up). Each device gets one
@@ -25,8 +27,8 @@
 //! the buffers [`vmpool_snapshot`] and [`vmpool_history`] fill. Panics are
 //! caught at this boundary.
 //!
-//! This file is the only place outside `vmm` with `unsafe` code: the
-//! exported symbols, wrapping the caller's stream handles
+//! This file and `mem_pool_exports` are the only places outside `vmm`
+//! with `unsafe` code: the exported symbols, wrapping the caller's stream handles
 //! (`Backend::borrow_stream`), and filling the caller's buffers. Everything
 //! else is safe: the calls in [`shim`], the settings in [`config`], the
 //! memory history in [`history`], the pointer and stream tables in
@@ -48,7 +50,7 @@ use std::sync::OnceLock;
 use vmpool::vmm::cuda::Cuda;
 use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::Backend;
-use vmpool::GraphPoolId;
+use vmpool::{GraphPoolId, MemPoolId};
 
 use self::config::{BackendChoice, Config};
 use self::history::History;
@@ -240,44 +242,63 @@ impl From<VmpoolMempoolId> for GraphPoolId {
     }
 }
 
+impl From<VmpoolMempoolId> for MemPoolId {
+    fn from(id: VmpoolMempoolId) -> Self {
+        MemPoolId::new(id.first, id.second)
+    }
+}
+
 /// Opens the private pool `pool` of a CUDA graph about to be captured on
 /// `device`: until [`vmpool_end_allocate_to_pool`], allocations on a
-/// capturing stream come from it (PyTorch's `beginAllocateToPool`). The
-/// third argument is PyTorch's stream filter, a C++ object vmpool neither
-/// reads nor calls: it asks the driver whether the stream is capturing.
+/// capturing stream come from it (PyTorch's `beginAllocateToPool`). For a
+/// memory pool [`vmpool_mem_pool_create`] made, puts the calling thread in
+/// it instead (`torch.cuda.use_mem_pool`). The third argument is PyTorch's
+/// filter, a C++ object vmpool neither reads nor calls: it asks the driver
+/// whether the stream is capturing, or compares the calling thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_begin_allocate_to_pool(
     device: c_int,
     pool: VmpoolMempoolId,
     _filter: *const c_void,
 ) {
-    call(
-        "begin_allocate_to_pool",
-        (),
-        |g| with_shim!(g, s => s.begin_graph_pool(i64::from(device), pool.into())),
-    );
+    let device = i64::from(device);
+    call("begin_allocate_to_pool", (), |g| {
+        with_shim!(g, s => if s.is_mem_pool(device, pool.into())? {
+            s.enter_mem_pool(device, pool.into())
+        } else {
+            s.begin_graph_pool(device, pool.into())
+        })
+    });
 }
 
-/// Closes `pool` at the end of its capture (PyTorch's `endAllocateToPool`).
+/// Closes `pool` at the end of its capture (PyTorch's `endAllocateToPool`);
+/// for a memory pool, takes the calling thread out of it.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_end_allocate_to_pool(device: c_int, pool: VmpoolMempoolId) {
-    call(
-        "end_allocate_to_pool",
-        (),
-        |g| with_shim!(g, s => s.end_graph_pool(i64::from(device), pool.into())),
-    );
+    let device = i64::from(device);
+    call("end_allocate_to_pool", (), |g| {
+        with_shim!(g, s => if s.is_mem_pool(device, pool.into())? {
+            s.leave_mem_pool(device, pool.into())
+        } else {
+            s.end_graph_pool(device, pool.into())
+        })
+    });
 }
 
 /// A graph that captured into `pool` is gone (PyTorch's `releasePool`):
 /// once every such graph is, the pool and its memory go when its last
-/// allocation is freed.
+/// allocation is freed. For a memory pool (`use_mem_pool` ends with this
+/// call) nothing: it goes at [`vmpool_mem_pool_release`].
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_release_pool(device: c_int, pool: VmpoolMempoolId) {
-    call(
-        "release_pool",
-        (),
-        |g| with_shim!(g, s => s.release_graph_pool(i64::from(device), pool.into())),
-    );
+    let device = i64::from(device);
+    call("release_pool", (), |g| {
+        with_shim!(g, s => if s.is_mem_pool(device, pool.into())? {
+            Ok(())
+        } else {
+            s.release_graph_pool(device, pool.into())
+        })
+    });
 }
 
 /// Waits for every stream vmpool has seen on `device`, makes their frees
@@ -435,6 +456,12 @@ pub struct VmpoolStats {
     /// reuse another stream's frees.
     pub events_recorded: u64,
     pub waits_inserted: u64,
+    /// Memory pools (`torch.cuda.MemPool`), the physical bytes they hold
+    /// and the bytes of their live allocations (in neither
+    /// `reserved_bytes` nor `used_bytes`).
+    pub mem_pools: u64,
+    pub mem_pool_reserved_bytes: u64,
+    pub mem_pool_used_bytes: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -470,6 +497,9 @@ impl From<Figures> for VmpoolStats {
             frees_completed: s.frees_completed,
             events_recorded: s.events_recorded,
             waits_inserted: s.waits_inserted,
+            mem_pools: f.mem_pools,
+            mem_pool_reserved_bytes: f.mem_pool_reserved_bytes,
+            mem_pool_used_bytes: f.mem_pool_used_bytes,
         }
     }
 }
@@ -603,7 +633,7 @@ pub const VERSION: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
 /// struct's fields or a function's signature change, so that a caller
 /// built for another layout can refuse the library instead of misreading
 /// it.
-pub const ABI: u32 = 1;
+pub const ABI: u32 = 2;
 
 /// [`VERSION`], a static C string; loads nothing (the library need not
 /// start for a caller to check it).
@@ -624,3 +654,6 @@ pub extern "C" fn vmpool_abi() -> u32 {
 pub extern "C" fn vmpool_stats_size() -> usize {
     std::mem::size_of::<VmpoolStats>()
 }
+
+mod mem_pool_exports;
+pub use mem_pool_exports::*;

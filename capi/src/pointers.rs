@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rustc_hash::FxHashMap;
 use vmpool::vmm::Backend;
-use vmpool::{Allocation, GraphPoolId, Stream};
+use vmpool::{Allocation, GraphPoolId, MemPoolId, Stream};
 
 /// A live allocation, and the other streams the caller said use it
 /// (`vmpool_record_stream`, PyTorch's `Tensor.record_stream`): its free
@@ -15,18 +15,29 @@ use vmpool::{Allocation, GraphPoolId, Stream};
 pub(crate) struct Live<B: Backend> {
     pub(crate) allocation: Allocation,
     pub(crate) used_on: Vec<Stream<B>>,
-    /// The graph pool it came from; `None`: the device's pool.
-    pub(crate) graph: Option<GraphPoolId>,
+    /// The pool it came from, and goes back to.
+    pub(crate) owner: Owner,
 }
 
 impl<B: Backend> Live<B> {
-    pub(crate) fn new(allocation: Allocation, graph: Option<GraphPoolId>) -> Self {
+    pub(crate) fn new(allocation: Allocation, owner: Owner) -> Self {
         Self {
             allocation,
             used_on: Vec::new(),
-            graph,
+            owner,
         }
     }
+}
+
+/// Which pool of a device an allocation came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// The device's own pool.
+    Device,
+    /// A CUDA graph's private pool.
+    Graph(GraphPoolId),
+    /// A memory pool (`torch.cuda.MemPool`).
+    Mem(MemPoolId),
 }
 
 /// A free put off until no capture is under way (`Device::deferred_frees`

@@ -15,6 +15,7 @@
 //!                      ──► free_async on the stream; not there: refused
 //!   vmpool_begin_allocate_to_pool(device, id) .. vmpool_end_allocate_to_pool
 //!     an allocation on a capturing stream ──► the graph's own pool, `id`
+//!     `id` a memory pool's: the calling thread's allocations ──► pool `id`
 //! ```
 //!
 //! **CUDA graphs.** Each device has a [`GraphPools`] for PyTorch's private
@@ -26,6 +27,11 @@
 //! (`record_stream`) is put off while a graph pool is open, since the
 //! freeing stream may then wait for no event recorded outside the capture
 //! (`Device::deferred_frees`).
+//!
+//! **Memory pools.** Each device also has [`MemPools`] for
+//! `torch.cuda.MemPool` (`shim/mem_pools.rs`, Note [Memory pools] in
+//! docs/DESIGN.md): the same begin / end hooks, for an id vmpool made a
+//! memory pool of, put the calling thread in it and take it out.
 #![deny(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,21 +40,21 @@ use std::time::Instant;
 
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{
-    Closed, Context, Event, GraphAllocation, GraphPoolId, GraphPools, Pool, PoolAttribute,
-    PoolProps, PoolSnapshot, PoolStats, Stream,
+    Closed, Context, Event, GraphAllocation, GraphPoolId, GraphPools, MemPoolAllocation, MemPools,
+    Pool, PoolAttribute, PoolProps, PoolSnapshot, PoolStats, Stream,
 };
 
 pub use crate::call_error::CallError;
 use crate::config::Config;
-use crate::pointers::{DeferredFree, Live, PointerTable};
+use crate::pointers::{DeferredFree, Live, Owner, PointerTable};
 use crate::refusals::{Refusals, Say};
 pub use crate::streams::Borrow;
 use crate::streams::StreamTable;
 
 /// `repr(C)` and aligned to a cache line: what every call reads (the pool,
-/// the live table, whether a graph pool is open, the stream table) comes
-/// first, on two lines; a call under PyTorch finds them cold
-/// (docs/RESULTS.md, "Calls on cold caches").
+/// the live table, whether a graph pool is open, the stream table, whether
+/// a thread is in a memory pool) comes first, on two lines; a call under
+/// PyTorch finds them cold (docs/RESULTS.md, "Calls on cold caches").
 #[repr(C, align(64))]
 struct Device<B: Backend> {
     pool: OnceLock<Pool<B>>,
@@ -61,6 +67,9 @@ struct Device<B: Backend> {
     /// The caller's streams by handle, adopted on first use and forgotten
     /// at each wait for the whole device ([`Shim::wait_and_forget_streams`]).
     streams: StreamTable<B>,
+    /// `torch.cuda.MemPool`s, by PyTorch's id: only while a thread is in
+    /// one (its first word) does an allocation ask whether its thread is.
+    mem_pools: MemPools<B>,
     id: DeviceId,
     /// Serialises the pool's creation, which can fail and is retried.
     creating: Mutex<()>,
@@ -120,6 +129,11 @@ pub struct Figures {
     /// CUDA graphs' private pools, and the physical bytes they hold.
     pub graph_pools: u64,
     pub graph_reserved_bytes: u64,
+    /// Memory pools (`torch.cuda.MemPool`), the physical bytes they hold
+    /// and the bytes of their live allocations.
+    pub mem_pools: u64,
+    pub mem_pool_reserved_bytes: u64,
+    pub mem_pool_used_bytes: u64,
 }
 
 /// The properties of `device`'s pools, the device's own and its graph
@@ -142,6 +156,10 @@ impl<B: Backend> Shim<B> {
                 pool: OnceLock::new(),
                 live: PointerTable::default(),
                 graphs: GraphPools::new(pool_props(&config, DeviceId(d))),
+                mem_pools: MemPools::new(
+                    pool_props(&config, DeviceId(d)),
+                    config.release_threshold,
+                ),
                 streams: StreamTable::default(),
                 id: DeviceId(d),
                 creating: Mutex::new(()),
@@ -265,14 +283,21 @@ impl<B: Backend> Shim<B> {
             return Ok(0);
         }
         let pool = self.pool(dev)?;
+        // A capture first (Note [Memory pools]: precedence), then the
+        // memory pool the thread is in.
         if dev.graphs.any_open() {
             if let Some(ptr) = self.alloc_for_capture(dev, size, stream)? {
                 return Ok(ptr);
             }
         }
+        if dev.mem_pools.any_entered() {
+            if let Some(ptr) = self.alloc_for_mem_pool(dev, size, stream)? {
+                return Ok(ptr);
+            }
+        }
         let allocation = self.with_stream(dev, stream, |s| pool.allocate_async(size, s))??;
         let ptr = allocation.ptr().0;
-        dev.live.insert(ptr, Live::new(allocation, None));
+        dev.live.insert(ptr, Live::new(allocation, Owner::Device));
         Ok(ptr)
     }
 
@@ -292,7 +317,8 @@ impl<B: Backend> Shim<B> {
             return Ok(None);
         };
         let ptr = allocation.ptr().0;
-        dev.live.insert(ptr, Live::new(allocation, Some(pool)));
+        dev.live
+            .insert(ptr, Live::new(allocation, Owner::Graph(pool)));
         Ok(Some(ptr))
     }
 
@@ -405,7 +431,7 @@ impl<B: Backend> Shim<B> {
         let Live {
             allocation,
             used_on,
-            graph,
+            owner,
         } = live;
         // There: it was made before the first allocation.
         let pool = self.pool(dev)?;
@@ -413,9 +439,9 @@ impl<B: Backend> Shim<B> {
         let freed = self.with_stream(dev, stream, |s| -> Result<(), CallError> {
             self.wait_for_users(dev, s, &used_on)?;
             let allocation = allocation.take().expect("called once");
-            match graph {
-                None => pool.free_async(allocation, s)?,
-                Some(id) => dev
+            match owner {
+                Owner::Device => pool.free_async(allocation, s)?,
+                Owner::Graph(id) => dev
                     .graphs
                     .free_async(
                         GraphAllocation {
@@ -425,6 +451,16 @@ impl<B: Backend> Shim<B> {
                         s,
                     )
                     .map_err(|err| CallError::graph(dev.id, err))?,
+                Owner::Mem(id) => dev
+                    .mem_pools
+                    .free_async(
+                        MemPoolAllocation {
+                            allocation,
+                            pool: id,
+                        },
+                        s,
+                    )
+                    .map_err(|err| CallError::mem_pool(dev.id, err))?,
             }
             Ok(())
         });
@@ -440,7 +476,7 @@ impl<B: Backend> Shim<B> {
             let live = Live {
                 allocation,
                 used_on,
-                graph,
+                owner,
             };
             dev.live.insert(ptr, live);
         }
@@ -543,10 +579,10 @@ impl<B: Backend> Shim<B> {
     }
 
     /// Returns every device's unused memory (PyTorch's `empty_cache`): waits
-    /// for the streams vmpool has seen, then trims each device's pool to
-    /// nothing unused. Graph pools keep their memory for their graphs'
-    /// replays; while one is open (a capture under way, which a wait would
-    /// spoil) the device's pool is trimmed without waiting.
+    /// for the streams vmpool has seen, then trims each device's pool and
+    /// memory pools to nothing unused. Graph pools keep their memory for
+    /// their graphs' replays; while one is open (a capture under way, which
+    /// a wait would spoil) the pools are trimmed without waiting.
     pub fn empty_cache(&self) -> Result<(), CallError> {
         for dev in &self.devices {
             let Some(pool) = dev.pool.get() else {
@@ -556,6 +592,7 @@ impl<B: Backend> Shim<B> {
                 self.wait_and_forget_streams(dev)?;
             }
             pool.trim_to(0)?;
+            dev.mem_pools.trim_to(0)?;
         }
         Ok(())
     }
@@ -594,6 +631,7 @@ impl<B: Backend> Shim<B> {
     pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
         let dev = self.device(device)?;
         let graphs = dev.graphs.stats();
+        let mems = dev.mem_pools.stats();
         let calls = Figures {
             refused_frees: dev.refused_frees.total(),
             timed_calls: dev.timed_calls.load(Ordering::Relaxed),
@@ -602,6 +640,9 @@ impl<B: Backend> Shim<B> {
             free_nanos: dev.free_nanos.load(Ordering::Relaxed),
             graph_pools: graphs.pools as u64,
             graph_reserved_bytes: graphs.reserved_bytes,
+            mem_pools: mems.pools as u64,
+            mem_pool_reserved_bytes: mems.reserved_bytes,
+            mem_pool_used_bytes: mems.used_bytes,
             ..Figures::default()
         };
         Ok(match dev.pool.get() {
@@ -637,6 +678,7 @@ impl<B: Backend> Shim<B> {
     }
 }
 
+mod mem_pools;
 mod sleep;
 #[cfg(test)]
 mod tests;

@@ -25,7 +25,7 @@ from ._version import __version__
 
 #: The layout of what crosses the C interface by value (`vmpool_abi()`):
 #: the library's must be this one.
-ABI = 1
+ABI = 2
 LIBRARY_NAME = "libvmpool_c.so"
 _HERE = Path(__file__).resolve().parent
 
@@ -82,6 +82,13 @@ class Stats:
     frees_completed: int
     events_recorded: int
     waits_inserted: int
+    mem_pools: int
+    """Memory pools (`torch.cuda.MemPool` under vmpool), released ones
+    with live allocations included."""
+    mem_pool_reserved_bytes: int
+    """Physical bytes the memory pools hold (not in `reserved_bytes`)."""
+    mem_pool_used_bytes: int
+    """Bytes of the memory pools' live allocations (not in `used_bytes`)."""
 
     def __getitem__(self, name: str) -> int:
         """`stats["used_bytes"]`, as the dict earlier versions returned."""
@@ -134,6 +141,9 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_begin_allocate_to_pool": (None, [c.c_int, MempoolId, c.c_void_p]),
         "vmpool_end_allocate_to_pool": (None, [c.c_int, MempoolId]),
         "vmpool_release_pool": (None, [c.c_int, MempoolId]),
+        "vmpool_mem_pool_create": (c.c_int, [c.c_int, MempoolId]),
+        "vmpool_mem_pool_release": (c.c_int, [c.c_int, MempoolId, c.c_int]),
+        "vmpool_mem_pool_stats": (_CStats, [c.c_int, MempoolId]),
         "vmpool_stats": (_CStats, [c.c_int]),
         "vmpool_synchronize": (c.c_int, [c.c_int]),
         "vmpool_reset_peaks": (c.c_int, [c.c_int]),
@@ -243,6 +253,38 @@ def stats(device: int = 0) -> Stats:
     s = library().vmpool_stats(device)
     if not s.valid:
         raise VmpoolError(f"vmpool_stats({device}) failed (the reason is in vmpool's log on stderr)")
+    return Stats(*(getattr(s, name) for name in FIELDS))
+
+
+#: `vmpool_mem_pool_release`'s `when` (vmpool.h).
+RELEASE_NOW = 0
+RELEASE_WITH_LAST_FREE = 1
+
+
+def mem_pool_create(device: int, pool: tuple[int, int]) -> None:
+    """Makes `pool` (a `MempoolId_t` pair) a memory pool of `device`: the
+    graph-pool hooks then put a thread in it (`use_mem_pool`). Raises
+    `VmpoolError` when refused (an id that exists, or a graph pool's)."""
+    _check("mem_pool_create", library().vmpool_mem_pool_create(device, MempoolId(*pool)))
+
+
+def mem_pool_release(device: int, pool: tuple[int, int], when: int = RELEASE_NOW) -> bool:
+    """Lets memory pool `pool` go with its memory: now (`RELEASE_NOW`,
+    refused while an allocation of it is live) or with its last free
+    (`RELEASE_WITH_LAST_FREE`). True when it is gone, False when it goes
+    with its last free; raises `VmpoolError` when refused."""
+    rc = library().vmpool_mem_pool_release(device, MempoolId(*pool), when)
+    if rc < 0:
+        raise VmpoolError(f"vmpool_mem_pool_release{pool} failed (the reason is in vmpool's log on stderr)")
+    return rc == 0
+
+
+def mem_pool_stats(device: int, pool: tuple[int, int]) -> Stats:
+    """Memory pool `pool`'s own figures (the pool fields of `Stats`; the
+    rest 0). Raises `VmpoolError` when there is no such pool."""
+    s = library().vmpool_mem_pool_stats(device, MempoolId(*pool))
+    if not s.valid:
+        raise VmpoolError(f"vmpool_mem_pool_stats{pool} failed: no such memory pool")
     return Stats(*(getattr(s, name) for name in FIELDS))
 
 

@@ -234,8 +234,9 @@ fn graph_pool_calls_route_by_pointer_and_keep_their_messages() {
 
 /// The fields of a device that every call reads (see `Device`) are on its
 /// first two cache lines, none across a line: the pool, the pointer table,
-/// the count of open graph pools (`GraphPools` is `repr(C)` with it first)
-/// and the stream table.
+/// the count of open graph pools (`GraphPools` is `repr(C)` with it first),
+/// the stream table and the count of threads in a memory pool (`MemPools`
+/// likewise).
 #[test]
 fn a_devices_hot_fields_are_on_its_first_two_lines() {
     use std::mem::{offset_of, size_of};
@@ -246,6 +247,7 @@ fn a_devices_hot_fields_are_on_its_first_two_lines() {
         (offset_of!(D, live), size_of::<PointerTable<H>>()),
         (offset_of!(D, graphs), size_of::<usize>()),
         (offset_of!(D, streams), size_of::<StreamTable<H>>()),
+        (offset_of!(D, mem_pools), size_of::<usize>()),
     ];
     for (start, size) in hot {
         let end = start + size;
