@@ -31,12 +31,25 @@ FAKE_TORCH = {
 
         def current_device():
             return 0
+
+        _handles = 0
+
+        def graph_pool_handle():
+            global _handles
+            _handles += 1
+            return (0, _handles)
+
+        MemPool = memory.MemPool
+        use_mem_pool = memory.use_mem_pool
     """,
     "torch/cuda/_utils.py": """
         def _get_device_index(device, optional=False):
             return 0 if device is None else int(device)
     """,
     "torch/cuda/memory.py": """
+        import contextlib
+        import ctypes
+
         current = None
 
         class _Allocator:
@@ -59,6 +72,28 @@ FAKE_TORCH = {
         def change_current_allocator(allocator):
             global current
             current = allocator
+
+        class MemPool:
+            def __init__(self, *args):
+                raise RuntimeError("pluggable does not yet support createOrIncrefPool")
+
+        class _Id(ctypes.Structure):
+            _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+
+        def _hook(name, *argtypes):
+            fn = current.allocator().hooks[name]
+            return ctypes.CFUNCTYPE(None, ctypes.c_int, _Id, *argtypes)(fn)
+
+        @contextlib.contextmanager
+        def use_mem_pool(pool, device=None):
+            # As PyTorch 2.11 does: begin (with a filter for the thread),
+            # then end and release, through the allocator's hooks.
+            _hook("set_begin_allocate_to_pool", ctypes.c_void_p)(0, _Id(*pool.id), None)
+            try:
+                yield
+            finally:
+                _hook("set_end_allocate_to_pool_fn")(0, _Id(*pool.id))
+                _hook("set_release_pool")(0, _Id(*pool.id))
     """,
 }
 
@@ -135,3 +170,58 @@ def test_the_launcher_runs_a_script_as_python_would(fake_torch, tmp_path):
     assert out.strip() == "argv ['--steps', '3']"
     out = _python(fake_torch, "-m", "vmpool.torch", "-m", "train", "x", cwd=tmp_path / "work")
     assert out.strip() == "argv ['x']"
+
+
+def test_a_mem_pool_takes_the_allocations_of_the_thread_in_it(fake_torch):
+    script = """
+        import threading
+        import torch
+        import vmpool, vmpool.torch
+
+        vmpool.torch.install()
+        assert torch.cuda.MemPool is vmpool.torch.MemPool
+        pool = torch.cuda.MemPool()
+        assert pool.id == (0, 1) and pool.device == 0
+
+        # Another thread allocates while this one is in the pool: not from it.
+        entered, done, outside = threading.Event(), threading.Event(), []
+        def other():
+            entered.wait()
+            outside.append(vmpool.alloc(2 << 20))
+            done.set()
+        thread = threading.Thread(target=other)
+        thread.start()
+        with torch.cuda.use_mem_pool(pool):
+            entered.set()
+            inside = [vmpool.alloc(4 << 20), vmpool.alloc(1 << 20)]
+            done.wait()
+        thread.join()
+        assert pool.stats().used_bytes == 5 << 20
+        s = vmpool.torch.stats()
+        assert (s.used_bytes, s.mem_pool_used_bytes, s.mem_pools) == (2 << 20, 5 << 20, 1), s
+        after = vmpool.alloc(1 << 20)
+        assert vmpool.torch.stats().used_bytes == 3 << 20, "outside use_mem_pool: the device's pool"
+
+        try:
+            pool.release()
+            raise AssertionError("released with tensors live")
+        except vmpool.VmpoolError:
+            pass
+        for p in inside + outside + [after]:
+            vmpool.free(p)
+        assert vmpool.torch.stats().mem_pool_reserved_bytes >= 5 << 20
+        pool.release()
+        s = vmpool.torch.stats()
+        assert (s.mem_pools, s.mem_pool_reserved_bytes) == (0, 0), s
+
+        # Dropped with a tensor live: the pool goes with it.
+        second = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(second):
+            kept = vmpool.alloc(1 << 20)
+        del second
+        assert vmpool.torch.stats().mem_pools == 1
+        vmpool.free(kept)
+        assert vmpool.torch.stats().mem_pools == 0
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"

@@ -6,6 +6,11 @@
     vmpool.torch.record_history()               # then, later:
     vmpool.torch.dump_snapshot("snap.pickle")   # for torch.cuda._memory_viz / memory_viz
 
+    pool = torch.cuda.MemPool()                 # vmpool's MemPool, once installed
+    with torch.cuda.use_mem_pool(pool):
+        weights = torch.empty(...)              # from a vmpool pool of its own
+    del weights; pool.release()                 # its memory goes back
+
 or, with no change to the program:
 
     python -m vmpool.torch train.py ARGS...      (or: vmpool-torch train.py ARGS...)
@@ -28,8 +33,10 @@ from ._lib import LibraryMismatchError, Stats, VmpoolError, library, library_pat
 
 __all__ = [
     "LibraryMismatchError",
+    "MemPool",
     "Stats",
     "VmpoolError",
+    "allocator",
     "dump_snapshot",
     "empty_cache",
     "install",
@@ -56,10 +63,49 @@ def _index(device: Device) -> int:
     return torch.cuda._utils._get_device_index(device, optional=True)
 
 
+_allocator: Any = None
+
+
+def allocator() -> Any:
+    """vmpool as a `torch.cuda.memory.CUDAPluggableAllocator`, with its
+    hooks set (one for the process; `install()` makes it the current
+    allocator). Without `install()`, PyTorch's own allocator stays and
+    `torch.cuda.MemPool(vmpool.torch.allocator().allocator())` is a pool of
+    PyTorch's whose segments vmpool serves (as vLLM's CuMemAllocator uses
+    its own allocator).
+
+    Raises `RuntimeError` for a PyTorch that cannot pass the hooks to a
+    pluggable allocator."""
+    global _allocator
+    if _allocator is not None:
+        return _allocator
+    import torch
+
+    lib = library()
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
+    hooks = [
+        ("set_record_stream_fn", lib.vmpool_record_stream, "Tensor.record_stream"),
+        ("set_begin_allocate_to_pool", lib.vmpool_begin_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
+        ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
+        ("set_reset_fn", lib.vmpool_empty_cache, "torch.cuda.empty_cache"),
+        ("set_memory_fraction_fn", lib.vmpool_set_memory_fraction, "torch.cuda.set_per_process_memory_fraction"),
+    ]
+    missing = [(name, what) for name, _, what in hooks if not hasattr(pluggable.allocator(), name)]
+    if missing:
+        needs = " and ".join(sorted({what for _, what in missing}))
+        names = ", ".join(name for name, _ in missing)
+        raise RuntimeError(f"this PyTorch cannot pass {needs} to a pluggable allocator (no {names})")
+    for name, fn, _ in hooks:
+        getattr(pluggable.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
+    _allocator = pluggable
+    return pluggable
+
+
 def install() -> Any:
     """Makes vmpool PyTorch's CUDA allocator; returns the
-    `CUDAPluggableAllocator`. Call it before anything allocates CUDA memory
-    (PyTorch refuses the change afterwards).
+    `CUDAPluggableAllocator` (`allocator()`). Call it before anything
+    allocates CUDA memory (PyTorch refuses the change afterwards).
 
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
     graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
@@ -71,32 +117,84 @@ def install() -> Any:
     (`torch.cuda.memory_allocated()`, `max_memory_reserved()`,
     `memory_stats()`, `reset_peak_memory_stats()`, ...), which raise for a
     pluggable allocator, then report vmpool's figures.
+    `torch.cuda.MemPool`, which PyTorch 2.11 cannot make over a pluggable
+    allocator, becomes vmpool's `MemPool`.
 
     Raises `RuntimeError` for a PyTorch that cannot pass these hooks to a
     pluggable allocator."""
     import torch
 
-    lib = library()
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vmpool_alloc", "vmpool_free")
-    hooks = [
-        ("set_record_stream_fn", lib.vmpool_record_stream, "Tensor.record_stream"),
-        ("set_begin_allocate_to_pool", lib.vmpool_begin_allocate_to_pool, "CUDA graphs' pools"),
-        ("set_end_allocate_to_pool_fn", lib.vmpool_end_allocate_to_pool, "CUDA graphs' pools"),
-        ("set_release_pool", lib.vmpool_release_pool, "CUDA graphs' pools"),
-        ("set_reset_fn", lib.vmpool_empty_cache, "torch.cuda.empty_cache"),
-        ("set_memory_fraction_fn", lib.vmpool_set_memory_fraction, "torch.cuda.set_per_process_memory_fraction"),
-    ]
-    missing = [(name, what) for name, _, what in hooks if not hasattr(allocator.allocator(), name)]
-    if missing:
-        needs = " and ".join(sorted({what for _, what in missing}))
-        names = ", ".join(name for name, _ in missing)
-        raise RuntimeError(f"this PyTorch cannot pass {needs} to a pluggable allocator (no {names})")
-    for name, fn, _ in hooks:
-        getattr(allocator.allocator(), name)(ctypes.cast(fn, ctypes.c_void_p).value)
-    torch.cuda.memory.change_current_allocator(allocator)
+    pluggable = allocator()
+    torch.cuda.memory.change_current_allocator(pluggable)
     _redirect_torch_statistics(torch)
     _redirect_torch_history(torch)
-    return allocator
+    torch.cuda.MemPool = torch.cuda.memory.MemPool = MemPool
+    return pluggable
+
+
+class MemPool:
+    """A `torch.cuda.MemPool` once vmpool is PyTorch's allocator
+    (`install()` makes `torch.cuda.MemPool` this class): a vmpool pool of
+    its own. Inside `torch.cuda.use_mem_pool(pool)` the calling thread's
+    allocations on the pool's device come from it, on any stream (a CUDA
+    graph capture's go to the graph's pool first); other threads' do not.
+    Tensors freed from any thread go back to it. `release()` gives its
+    memory and address space back; dropping the object without it lets the
+    pool go with its last tensor, as PyTorch drops a MemPool.
+
+    PyTorch 2.11 cannot make its own MemPool over a pluggable allocator
+    (it raises "does not yet support createOrIncrefPool"); `use_mem_pool`
+    needs only `.id`, and passes it to vmpool's hooks. The id is drawn from
+    `torch.cuda.graph_pool_handle()`, so no PyTorch pool shares it. Do not
+    capture a CUDA graph into it (`torch.cuda.graph(pool=p.id)`): vmpool
+    takes that begin for `use_mem_pool`'s."""
+
+    def __init__(self, allocator: Any = None, use_on_oom: bool = False, symmetric: bool = False) -> None:
+        import torch
+
+        own = _allocator.allocator() if _allocator is not None else None
+        if allocator is not None and allocator is not own:
+            raise ValueError("under vmpool a MemPool's memory comes from vmpool: pass no allocator")
+        if use_on_oom or symmetric:
+            raise ValueError("vmpool's MemPool has no use_on_oom or symmetric mode")
+        self._released = True
+        self._device = _index(None)
+        first, second = torch.cuda.graph_pool_handle()
+        self._id = (int(first), int(second))
+        _lib.mem_pool_create(self._device, self._id)
+        self._released = False
+
+    @property
+    def id(self) -> tuple[int, int]:
+        """PyTorch's id of the pool (`MempoolId_t`), for `use_mem_pool`."""
+        return self._id
+
+    @property
+    def device(self) -> int:
+        """The CUDA device whose memory the pool holds."""
+        return self._device
+
+    def stats(self) -> Stats:
+        """The pool's own figures: its reserved and used bytes, counts."""
+        return _lib.mem_pool_stats(self._device, self._id)
+
+    def release(self) -> None:
+        """Gives the pool's memory and address space back now. Raises
+        `VmpoolError` while a tensor of it lives or a thread is in it
+        (vmpool's log says which); the pool is then unchanged."""
+        if self._released:
+            raise VmpoolError(f"memory pool {self._id} was released already")
+        _lib.mem_pool_release(self._device, self._id, _lib.RELEASE_NOW)
+        self._released = True
+
+    def __del__(self) -> None:
+        if getattr(self, "_released", True):
+            return
+        try:
+            _lib.mem_pool_release(self._device, self._id, _lib.RELEASE_WITH_LAST_FREE)
+        except Exception:  # noqa: BLE001 - at interpreter exit the library may be gone
+            pass
+        self._released = True
 
 
 def _redirect_torch_statistics(torch: Any) -> None:
