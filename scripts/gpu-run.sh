@@ -5,7 +5,7 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [c-calls] [multi]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [mempool] [c-calls] [multi]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
@@ -43,6 +43,11 @@
 # torch-sleep: scripts/torch_sleep.py, sleep and wake under PyTorch: a
 # model's outputs and a CUDA graph's replay equal across them, the memory
 # free while asleep.
+#
+# mempool: scripts/torch_mempool.py, torch.cuda.MemPool and use_mem_pool
+# over vmpool: a MemPool's tensors from a vmpool pool of its own, released
+# with its memory given back; a model's weights in one, its forward pass
+# equal to native; and a PyTorch MemPool whose segments vmpool serves.
 #
 # wheel: scripts/torch_wheel_check.py: the wheel installed into a fresh
 # environment, training under vmpool.torch.install() and the launcher
@@ -103,7 +108,7 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep) parts=torch ;;
+    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep | mempool) parts=torch ;;
     calls) parts="torch traces" ;;
     *) parts= ;;
     esac
@@ -188,6 +193,9 @@ for job in $jobs; do
         ;;
     torch-sleep)
         run "pytorch sleep and wake" python3 "$here/torch/torch_sleep.py"
+        ;;
+    mempool)
+        run "pytorch mempool" python3 "$here/torch/torch_mempool.py"
         ;;
     limits)
         run "pytorch limits" python3 "$here/torch/torch_limits.py"
