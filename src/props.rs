@@ -55,6 +55,9 @@ pub struct PoolProps {
     pub record: Option<PathBuf>,
     /// How the pool's memory can be shared with other processes
     /// (`cudaMemPoolProps::handleTypes`); see [`crate::ipc`].
+    /// [`HandleType::PosixFileDescriptor`] also makes the pool's memory
+    /// registrable with NCCL (`ncclCommRegister`): see Note [NCCL
+    /// registration] in docs/DESIGN.md.
     pub handle_type: HandleType,
 }
 
@@ -87,8 +90,27 @@ pub enum HandleType {
     None,
     /// POSIX file descriptors (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`):
     /// chunks are created exportable, and the pool can be exported to
-    /// another process.
+    /// another process. It is the handle type NCCL's user-buffer
+    /// registration exports a buffer's chunks with (with the reservation's
+    /// start on a granule, which every pool's is).
     PosixFileDescriptor,
+}
+
+/// A [`HandleType`] as text, as `VMPOOL_HANDLE_TYPE` takes it: `none` or
+/// `posix_fd`, case and spaces aside. The error says what was expected.
+///
+/// ```
+/// use vmpool::{parse_handle_type, HandleType};
+/// assert_eq!(parse_handle_type("posix_fd"), Ok(HandleType::PosixFileDescriptor));
+/// assert_eq!(parse_handle_type(" None "), Ok(HandleType::None));
+/// assert!(parse_handle_type("fabric").is_err());
+/// ```
+pub fn parse_handle_type(text: &str) -> std::result::Result<HandleType, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "none" => Ok(HandleType::None),
+        "posix_fd" => Ok(HandleType::PosixFileDescriptor),
+        _ => Err(format!("{text:?}: expected none or posix_fd")),
+    }
 }
 
 impl PoolProps {

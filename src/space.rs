@@ -97,7 +97,10 @@ impl<B: Backend> Space<B> {
     pub(crate) fn new(backend: &Arc<B>, props: SpaceProps) -> Result<Self> {
         Ok(Self {
             device: props.device,
-            reservation: Reservation::new(backend, props.va_size as usize, 0)?,
+            // On a granule: NCCL registers only ranges whose chunks start
+            // on one (Note [NCCL registration]), and a unit's place is the
+            // base plus whole granules.
+            reservation: Reservation::new(backend, props.va_size as usize, props.granule as usize)?,
             granule: props.granule,
             shareable: props.shareable,
             units: BTreeMap::new(),
