@@ -86,6 +86,10 @@ pub struct Config {
     /// (`PoolProps::granule_growth_below`); default
     /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`].
     pub granule_growth_below: u64,
+    /// `VMPOOL_HANDLE_TYPE`: `posix_fd` to create every pool's chunks
+    /// exportable, so that NCCL can register the memory (Note [NCCL
+    /// registration] in docs/DESIGN.md); default `none`.
+    pub handle_type: vmpool::HandleType,
     /// `VMPOOL_HOST_DEVICES` and `VMPOOL_HOST_MEMORY` (per device): the host
     /// backend's devices; default 1 of 4 GiB.
     pub host_devices: u32,
@@ -143,6 +147,14 @@ impl Config {
                 expected: "a whole number, at least 1, or off",
             })?,
         };
+        let handle_type = match lookup("VMPOOL_HANDLE_TYPE") {
+            None => vmpool::HandleType::None,
+            Some(v) => vmpool::parse_handle_type(&v).map_err(|_| ConfigError::Other {
+                name: "VMPOOL_HANDLE_TYPE",
+                value: v,
+                expected: "none or posix_fd",
+            })?,
+        };
         let log = lookup("VMPOOL_LOG").unwrap_or_else(|| "warn".to_owned());
         if tracing_subscriber::EnvFilter::try_new(&log).is_err() {
             return Err(ConfigError::Other {
@@ -161,6 +173,7 @@ impl Config {
                 "VMPOOL_GRANULE_GROWTH_BELOW",
                 vmpool::DEFAULT_GRANULE_GROWTH_BELOW,
             )?,
+            handle_type,
             host_devices,
             host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
             timing,
@@ -242,6 +255,17 @@ mod tests {
         ] {
             let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
+        }
+    }
+
+    #[test]
+    fn handle_type() {
+        assert_eq!(config(&[]).unwrap().handle_type, vmpool::HandleType::None);
+        let c = config(&[("VMPOOL_HANDLE_TYPE", "posix_fd")]).unwrap();
+        assert_eq!(c.handle_type, vmpool::HandleType::PosixFileDescriptor);
+        for bad in ["", "fd", "fabric", "1"] {
+            let err = config(&[("VMPOOL_HANDLE_TYPE", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_HANDLE_TYPE"), "{err}");
         }
     }
 

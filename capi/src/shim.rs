@@ -143,6 +143,7 @@ fn pool_props(config: &Config, device: DeviceId) -> PoolProps {
         chunk_size: config.chunk_size,
         chunk_divisor: config.chunk_divisor,
         granule_growth_below: config.granule_growth_below,
+        handle_type: config.handle_type,
         ..PoolProps::new(device)
     }
 }

@@ -311,3 +311,25 @@ fn repeated_refused_frees_are_counted_not_each_logged() {
         .count();
     assert_eq!(unlogged, 2_000 - 10 - 2);
 }
+
+/// `VMPOOL_HANDLE_TYPE=posix_fd` makes the device's pool shareable, the
+/// handle type NCCL's registration exports chunks with; by default it is
+/// not.
+#[test]
+fn the_handle_type_setting_makes_pools_shareable() {
+    for (vars, shareable) in [
+        (&[][..], false),
+        (&[("VMPOOL_HANDLE_TYPE", "posix_fd")][..], true),
+    ] {
+        let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+        let shim = Shim::new(host, config(vars).unwrap(), odd_handles_only).unwrap();
+        let ptr = shim.alloc(4 << 20, 0, 1).unwrap();
+        let pool = shim.devices[0].pool.get().unwrap();
+        assert_eq!(
+            pool.export_to_shareable_handle().is_ok(),
+            shareable,
+            "{vars:?}"
+        );
+        shim.free(ptr, 4 << 20, 0, 1).unwrap();
+    }
+}
