@@ -6,6 +6,9 @@
     vmpool.torch.record_history()               # then, later:
     vmpool.torch.dump_snapshot("snap.pickle")   # for torch.cuda._memory_viz / memory_viz
 
+    reg = vmpool.torch.register(tensor, group)  # NCCL user-buffer registration
+    reg.deregister()                            # once its collectives finished
+
     pool = torch.cuda.MemPool()                 # vmpool's MemPool, once installed
     with torch.cuda.use_mem_pool(pool):
         weights = torch.empty(...)              # from a vmpool pool of its own
@@ -28,7 +31,7 @@ import runpy
 import sys
 from typing import Any, Union
 
-from . import _lib
+from . import _lib, nccl
 from ._lib import LibraryMismatchError, Stats, VmpoolError, library, library_path
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "memory_snapshot",
     "print_snapshot",
     "record_history",
+    "register",
     "reset_peaks",
     "snapshot",
     "stats",
@@ -195,6 +199,40 @@ class MemPool:
         except Exception:  # noqa: BLE001 - at interpreter exit the library may be gone
             pass
         self._released = True
+
+
+_communicators: dict[int, nccl.Communicator] = {}
+
+
+def register(tensor: Any, group: Any = None) -> nccl.Registration:
+    """Registers `tensor`'s storage with the NCCL communicator of `group`
+    (default: the default process group) on the tensor's device
+    (`ncclCommRegister`), so that collectives over it take NCCL's zero-copy
+    paths; returns the `vmpool.nccl.Registration`, whose `deregister()`
+    (or the end of a `with` block) ends it once its collectives finished.
+    The registration keeps the storage alive, so vmpool never moves its
+    chunks while NCCL's peers map them (Note [NCCL registration] in
+    docs/DESIGN.md). Set `VMPOOL_HANDLE_TYPE=posix_fd` before the first
+    allocation: NCCL exports the chunks to its peers, and registers nothing
+    it cannot export. Register whole buffers and run the first collective
+    over the whole buffer: NCCL maps for its peers the chunks under the
+    first collective it sees.
+
+    PyTorch's own route, `ProcessGroupNCCL.register_mem_pool`, takes
+    PyTorch's MemPools only: it lists their segments from the caching
+    allocator's snapshot, which a pluggable allocator does not have. It
+    serves `torch.cuda.MemPool(allocator().allocator())` with PyTorch's
+    allocator current, whose segments vmpool allocates."""
+    import torch
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cuda", tensor.device.index))
+    comm = int(backend._comm_ptr())
+    if comm not in _communicators:
+        _communicators[comm] = nccl.Communicator(comm, nccl.NcclLibrary.loaded())
+    storage = tensor.untyped_storage()
+    return _communicators[comm].register(storage.data_ptr(), storage.nbytes(), keep=storage)
 
 
 def _redirect_torch_statistics(torch: Any) -> None:
