@@ -5,7 +5,7 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [mempool] [c-calls] [multi]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [mempool] [c-calls] [multi] [ddp] [nccl]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
@@ -52,6 +52,19 @@
 # wheel: scripts/torch_wheel_check.py: the wheel installed into a fresh
 # environment, training under vmpool.torch.install() and the launcher
 # against native, the package's statistics and errors.
+#
+# ddp: scripts/torch_ddp.py, GPT-2 small trained over NCCL on every GPU,
+# DDP and FSDP2 (fully_shard), native PyTorch (default and expandable
+# segments) against vmpool.torch.install() in every rank, each a torchrun
+# run of its own: losses equal, footprint per rank, step time. DDP_ARGS
+# passes options (e.g. "--steps 10"). One GPU: a process group of one.
+#
+# nccl: scripts/nccl_bandwidth.py, all-reduce bus bandwidth 1 MiB..1 GiB
+# over native memory and vmpool memory, unregistered and registered with
+# NCCL (vmpool.torch.register, and PyTorch's register_mem_pool), every
+# buffer's result checked; then collectives over buffers on remapped
+# chunks, registered. NCCL_ARGS passes options (e.g. "--max-mib 256").
+# NVLink multicast stays off in both.
 #
 # c-calls: capi/examples/c_calls.rs on the generation trace, what a call
 # through vmpool_alloc / vmpool_free costs, without and with VMPOOL_TIMING
@@ -108,7 +121,7 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep | mempool) parts=torch ;;
+    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep | mempool | ddp | nccl) parts=torch ;;
     calls) parts="torch traces" ;;
     *) parts= ;;
     esac
@@ -196,6 +209,16 @@ for job in $jobs; do
         ;;
     mempool)
         run "pytorch mempool" python3 "$here/torch/torch_mempool.py"
+        ;;
+    ddp)
+        # shellcheck disable=SC2086 # DDP_ARGS is a list of options
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            run "pytorch ddp and fsdp" python3 "$here/torch/torch_ddp.py" ${DDP_ARGS:-}
+        ;;
+    nccl)
+        # shellcheck disable=SC2086 # NCCL_ARGS is a list of options
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            run "nccl bandwidth and registration" python3 "$here/torch/nccl_bandwidth.py" ${NCCL_ARGS:-}
         ;;
     limits)
         run "pytorch limits" python3 "$here/torch/torch_limits.py"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-
 from vmpool import nccl
 
 

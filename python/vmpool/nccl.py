@@ -150,9 +150,7 @@ class Communicator:
 
     def __init__(self, comm: int, library: NcclLibrary) -> None:
         if not comm:
-            raise NcclError(
-                "no communicator yet: pass device_id to init_process_group, or run a collective first"
-            )
+            raise NcclError("no communicator yet: pass device_id to init_process_group, or run a collective first")
         self.comm = comm
         self.library = library
         self._live: dict[int, Registration] = {}
