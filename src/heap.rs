@@ -248,18 +248,28 @@ impl Heap {
     /// The allocated ranges, adjacent blocks joined, as (start, length) in
     /// address order.
     pub fn used_ranges(&self) -> Vec<(u64, u64)> {
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        for (addr, size) in self.used_blocks() {
+            match used.last_mut() {
+                Some((start, len)) if *start + *len == addr => *len += size,
+                _ => used.push((addr, size)),
+            }
+        }
+        used
+    }
+
+    /// The allocated blocks, one by one, as (start, length) in address
+    /// order.
+    pub fn used_blocks(&self) -> Vec<(u64, u64)> {
         let mut starts: Vec<u32> = self.region_starts.values().copied().collect();
         starts.sort_unstable_by_key(|&id| self.blocks[id as usize].addr);
-        let mut used: Vec<(u64, u64)> = Vec::new();
+        let mut used = Vec::new();
         for first in starts {
             let mut at = first;
             while at != NONE {
                 let b = &self.blocks[at as usize];
                 if !b.free {
-                    match used.last_mut() {
-                        Some((start, len)) if *start + *len == b.addr => *len += b.size,
-                        _ => used.push((b.addr, b.size)),
-                    }
+                    used.push((b.addr, b.size));
                 }
                 at = b.next_phys;
             }

@@ -402,14 +402,12 @@ impl<B: Backend> Space<B> {
         }
     }
 
-    /// Unmaps and releases the units at `vas` and every spare chunk,
-    /// keeping the reservation; returns the units released as (address,
-    /// length), in address order. A unit that will not unmap stays a unit,
-    /// mapped, its bytes where they were. Aliases must be gone (their
-    /// streams waited for).
+    /// Unmaps and releases the units at `vas`, keeping the reservation;
+    /// returns the units released as (address, length), in address order.
+    /// A unit that will not unmap stays a unit, mapped, its bytes where
+    /// they were. Aliases must be gone (their streams waited for).
     pub(crate) fn release_units(&mut self, vas: impl IntoIterator<Item = Va>) -> Vec<(Va, u64)> {
         debug_assert!(self.aliases.is_empty(), "aliases outlive their streams");
-        self.retry_unreleased();
         let mut released = Vec::new();
         for va in vas {
             let Some(mapping) = self.units.remove(&va) else {
@@ -427,11 +425,15 @@ impl<B: Backend> Space<B> {
                 }
             }
         }
+        released.sort_unstable_by_key(|&(va, _)| va);
+        released
+    }
+
+    /// Releases every spare chunk.
+    pub(crate) fn release_spares(&mut self) {
         for chunk in std::mem::take(&mut self.spares) {
             self.release(chunk);
         }
-        released.sort_unstable_by_key(|&(va, _)| va);
-        released
     }
 
     /// Tries again to release the chunks the driver would not release.

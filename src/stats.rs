@@ -104,6 +104,10 @@ pub struct PoolStats {
     pub asleep: bool,
     /// While asleep: live bytes waiting in host memory for `Pool::wake`.
     pub kept_on_host_bytes: u64,
+    /// Page-locked host memory the pool holds for sleeping: the kept bytes
+    /// while asleep, and awake the buffer the next sleep reuses
+    /// (`Pool::reserve_host`, `Pool::release_host`).
+    pub host_bytes: u64,
 }
 
 /// A picture of a pool's address space: for a debug dump (its `Display`

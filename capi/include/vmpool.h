@@ -149,6 +149,16 @@ int vmpool_sleep(int level);
  * needs). 0 / -1 (logged). */
 int vmpool_wake(void);
 
+/* Page-locked host memory for the kept bytes stays with the device's pool
+ * from one vmpool_sleep to the next, so that only the first sleep pins it
+ * (the kernel's work, at a few GB/s: most of a first sleep's time).
+ * vmpool_reserve_host makes the pool hold at least `bytes` of it now (0 /
+ * -1); vmpool_release_host frees it and returns the bytes freed (-1 on
+ * failure). Both are refused while the pool sleeps with bytes kept there.
+ * vmpool_stats_t.host_bytes says how much a pool holds. */
+int vmpool_reserve_host(int device, uint64_t bytes);
+int64_t vmpool_release_host(int device);
+
 /* Limits the device's pool to `fraction` (in (0, 1]) of the device's
  * memory: growth past it fails as out of memory; what the pool holds above
  * it stays until freed and trimmed. CUDA graphs' pools are not limited.
@@ -178,6 +188,7 @@ typedef struct {
     uint64_t frees_merged, frees_completed; /* stream-ordered frees back in the free space: early for their own stream, or once it passed them */
     uint64_t events_recorded, waits_inserted; /* events recorded to learn when frees complete; waits to reuse another stream's */
     uint64_t mem_pools, mem_pool_reserved_bytes, mem_pool_used_bytes; /* memory pools, their memory and live bytes */
+    uint64_t host_bytes;              /* page-locked host memory held for sleeping (vmpool_reserve_host) */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */

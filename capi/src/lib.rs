@@ -380,6 +380,33 @@ pub extern "C" fn vmpool_wake() -> c_int {
     call("wake", -1, |g| with_shim!(g, s => s.wake().map(|()| 0)))
 }
 
+/// Makes `device`'s pool hold at least `bytes` of page-locked host memory
+/// for its next [`vmpool_sleep`], which then pins none: pinning is most of
+/// a first sleep's time. The memory stays until [`vmpool_release_host`].
+/// Refused while the pool sleeps with bytes kept there. 0, or -1 on
+/// failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_reserve_host(device: c_int, bytes: u64) -> c_int {
+    call(
+        "reserve_host",
+        -1,
+        |g| with_shim!(g, s => s.reserve_host(i64::from(device), bytes).map(|()| 0)),
+    )
+}
+
+/// Frees the page-locked host memory `device`'s pool keeps from one
+/// [`vmpool_sleep`] to the next (the next sleep that keeps bytes pins it
+/// again). Returns the bytes freed, or -1 on failure (logged; refused while
+/// the pool sleeps with bytes kept there).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_release_host(device: c_int) -> i64 {
+    call(
+        "release_host",
+        -1,
+        |g| with_shim!(g, s => s.release_host(i64::from(device)).map(|bytes| bytes as i64)),
+    )
+}
+
 /// Limits `device`'s pool to `fraction` (in (0, 1]) of the device's memory:
 /// growth past it fails as out of memory (PyTorch's
 /// `torch.cuda.set_per_process_memory_fraction`, which
@@ -462,6 +489,9 @@ pub struct VmpoolStats {
     pub mem_pools: u64,
     pub mem_pool_reserved_bytes: u64,
     pub mem_pool_used_bytes: u64,
+    /// Page-locked host memory the pool holds for sleeping: the kept bytes
+    /// while asleep, the buffer the next sleep reuses while awake.
+    pub host_bytes: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -500,6 +530,7 @@ impl From<Figures> for VmpoolStats {
             mem_pools: f.mem_pools,
             mem_pool_reserved_bytes: f.mem_pool_reserved_bytes,
             mem_pool_used_bytes: f.mem_pool_used_bytes,
+            host_bytes: s.host_bytes,
         }
     }
 }

@@ -5,8 +5,8 @@
 use std::ffi::c_void;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_set_retention, vmpool_sleep, vmpool_stats,
-    vmpool_wake,
+    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_release_host, vmpool_reserve_host,
+    vmpool_set_retention, vmpool_sleep, vmpool_stats, vmpool_wake,
 };
 
 const MIB: usize = 1 << 20;
@@ -45,8 +45,17 @@ fn sleep_and_wake_through_the_c_functions() {
     let awake = vmpool_stats(0);
     assert!(awake.reserved_bytes > 0);
 
+    assert_eq!(awake.host_bytes, 0, "nothing pinned before a sleep");
     assert_eq!(vmpool_sleep(1), 0);
     assert_eq!(vmpool_stats(0).reserved_bytes, 0, "every chunk released");
+    let held = vmpool_stats(0).host_bytes;
+    assert!(held >= (4 * MIB + 300 * 1024) as u64, "{held}");
+    assert_eq!(
+        vmpool_release_host(0),
+        -1,
+        "asleep, the buffer holds the bytes"
+    );
+    assert_eq!(vmpool_reserve_host(0, 1 << 30), -1, "nor is it replaced");
     assert!(
         vmpool_alloc(MIB as isize, 0, stream()).is_null(),
         "asleep, nothing is allocated"
@@ -58,6 +67,22 @@ fn sleep_and_wake_through_the_c_functions() {
         all(a, 4 * MIB, 0xA5) && all(b, 300 * 1024, 0x3C),
         "kept bytes back"
     );
+
+    // The host buffer stays for the next sleep, until given back.
+    assert_eq!(vmpool_stats(0).host_bytes, held);
+    assert_eq!(vmpool_release_host(0), held as i64);
+    assert_eq!(vmpool_stats(0).host_bytes, 0);
+    assert_eq!(vmpool_reserve_host(0, 64 * MIB as u64), 0);
+    assert_eq!(vmpool_stats(0).host_bytes, 64 * MIB as u64);
+    assert_eq!(vmpool_sleep(1), 0);
+    assert_eq!(
+        vmpool_stats(0).host_bytes,
+        64 * MIB as u64,
+        "reserved ahead: used as is"
+    );
+    assert_eq!(vmpool_wake(), 0);
+    assert!(all(a, 4 * MIB, 0xA5) && all(b, 300 * 1024, 0x3C));
+    assert_eq!(vmpool_reserve_host(7, MIB as u64), -1, "no such device");
 
     // Level 2 keeps nothing, but the memory comes back where it was.
     assert_eq!(vmpool_sleep(2), 0);

@@ -26,8 +26,26 @@ SCRIPT = textwrap.dedent(
         pass
     else:
         raise AssertionError("an allocation while asleep")
+    held = vmpool.stats().host_bytes
+    assert held >= 4 * MIB, held
+    try:
+        vmpool.release_host()
+    except vmpool.VmpoolError:
+        pass
+    else:
+        raise AssertionError("release_host while asleep")
     vmpool.wake()
     assert vmpool.stats().reserved_bytes == reserved
+    assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
+    # The host buffer stays for the next sleep, until given back.
+    assert vmpool.stats().host_bytes == held
+    assert vmpool.release_host() == held
+    assert vmpool.stats().host_bytes == 0
+    vmpool.reserve_host(16 * MIB)
+    assert vmpool.stats().host_bytes == 16 * MIB
+    vmpool.sleep(1)
+    vmpool.wake()
+    assert vmpool.stats().host_bytes == 16 * MIB
     assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
     vmpool.sleep(2)
     vmpool.wake()

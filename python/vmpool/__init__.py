@@ -6,7 +6,7 @@ virtual-memory API, here as a Python package around its C library.
 
 `vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
 `empty_cache()`, the memory history (`record_history()`,
-`dump_snapshot()`), `sleep()` / `wake()` and the raw `alloc()` / `free()` work on any backend
+`dump_snapshot()`), `sleep()` / `wake()` (with `reserve_host()` / `release_host()`) and the raw `alloc()` / `free()` work on any backend
 (VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
 and refuses one of another version (`LibraryMismatchError`).
 """
@@ -30,6 +30,8 @@ from ._lib import (
     memory_snapshot,
     print_snapshot,
     record_history,
+    release_host,
+    reserve_host,
     reset_peaks,
     set_retention,
     sleep,
@@ -63,6 +65,8 @@ __all__ = [
     "memory_snapshot",
     "print_snapshot",
     "record_history",
+    "release_host",
+    "reserve_host",
     "reset_peaks",
     "set_retention",
     "sleep",

@@ -89,6 +89,10 @@ class Stats:
     """Physical bytes the memory pools hold (not in `reserved_bytes`)."""
     mem_pool_used_bytes: int
     """Bytes of the memory pools' live allocations (not in `used_bytes`)."""
+    host_bytes: int
+    """Page-locked host memory the pool holds for sleeping: the kept bytes
+    while asleep, the buffer the next `sleep()` reuses while awake
+    (`reserve_host()`, `release_host()`)."""
 
     def __getitem__(self, name: str) -> int:
         """`stats["used_bytes"]`, as the dict earlier versions returned."""
@@ -159,6 +163,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_set_retention": (c.c_int, [c.c_int]),
         "vmpool_sleep": (c.c_int, [c.c_int]),
         "vmpool_wake": (c.c_int, []),
+        "vmpool_reserve_host": (c.c_int, [c.c_int, c.c_uint64]),
+        "vmpool_release_host": (c.c_int64, [c.c_int]),
     }
     for name, (restype, argtypes) in table.items():
         try:
@@ -305,6 +311,7 @@ def summary(device: int = 0) -> str:
             f"  growth      {s.grows} grows; {s.chunks_created} chunks created, "
             f"{s.chunks_released} released; {s.remaps} remaps ({_mib(s.bytes_remapped)})",
             f"  graph pools {s.graph_pools} ({_mib(s.graph_reserved_bytes)} reserved)",
+            f"  host        {_mib(s.host_bytes)} page-locked for sleeping",
         ]
     )
 
@@ -505,6 +512,28 @@ def wake() -> None:
     the memory; the pool then stays asleep, its bytes on the host, and
     `wake()` can be called again once memory is free."""
     _check("wake", library().vmpool_wake())
+
+
+def reserve_host(nbytes: int, device: int = 0) -> None:
+    """Makes `device`'s pool hold at least `nbytes` of page-locked host
+    memory for its next `sleep(1)`, which then pins none. Pinning is the
+    kernel's work, a few GB/s, and most of a first sleep's time; the memory
+    stays with the pool from one sleep to the next until `release_host()`.
+    Raises `VmpoolError` while the pool sleeps with bytes kept there."""
+    if nbytes < 0:
+        raise ValueError(f"reserve_host: {nbytes} bytes")
+    _check("reserve_host", library().vmpool_reserve_host(device, nbytes))
+
+
+def release_host(device: int = 0) -> int:
+    """Frees the page-locked host memory `device`'s pool keeps from one
+    `sleep()` to the next, and returns its size in bytes; the next sleep
+    that keeps bytes pins it again. Raises `VmpoolError` while the pool
+    sleeps (that memory holds its bytes then)."""
+    freed = library().vmpool_release_host(device)
+    if freed < 0:
+        raise VmpoolError("vmpool_release_host failed (the reason is in vmpool's log on stderr)")
+    return freed
 
 
 def _out_of_memory(message: str) -> Exception:

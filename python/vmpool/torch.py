@@ -376,6 +376,21 @@ def wake() -> None:
     _lib.wake()
 
 
+def reserve_host(nbytes: int, device: Device = None) -> None:
+    """Pins `nbytes` of host memory for `device`'s next `sleep(1)` now (at
+    start-up, say), so that the sleep runs at the copy's speed: pinning is
+    most of a first sleep's time. The memory stays from one sleep to the
+    next (as PyTorch's pinned-memory cache does) until `release_host()`."""
+    _lib.reserve_host(nbytes, _index(device))
+
+
+def release_host(device: Device = None) -> int:
+    """Frees the page-locked host memory `device`'s pool keeps between
+    sleeps; returns its size in bytes. Not while it holds a sleeping pool's
+    bytes."""
+    return _lib.release_host(_index(device))
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m vmpool.torch SCRIPT ARGS...` (or `-m MODULE ARGS...`):
     installs vmpool, then runs the program as `python SCRIPT ARGS...`

@@ -49,6 +49,7 @@ pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
         aliased_bytes: inner.space.aliased_bytes(),
         asleep: inner.slumber.is_some(),
         kept_on_host_bytes: inner.slumber.as_ref().map_or(0, |s| s.kept_bytes()),
+        host_bytes: inner.host_bytes(),
     }
 }
 

@@ -80,8 +80,12 @@ pub(super) struct Inner<B: Backend> {
     pub(super) growth: GrowthCounters,
     /// What sleeping does with the pool's bytes.
     pub(super) retention: Retention,
-    /// While the pool sleeps: its kept bytes and where its units were.
-    pub(super) slumber: Option<Slumber<B>>,
+    /// While the pool sleeps: where its kept bytes are and where its units
+    /// were.
+    pub(super) slumber: Option<Slumber>,
+    /// Page-locked host memory for the kept bytes: holds them while the
+    /// pool sleeps, and stays for the next sleep (Note [Sleep and wake]).
+    pub(super) host: Option<B::HostBuffer>,
     /// A reused buffer: the guards an allocation finds in its range, empty
     /// between calls.
     found_guards: Vec<(u64, Guard)>,
@@ -110,6 +114,7 @@ impl<B: Backend> Inner<B> {
             growth: GrowthCounters::default(),
             retention: Retention::default(),
             slumber: None,
+            host: None,
             found_guards: Vec::new(),
             released: Vec::new(),
         }

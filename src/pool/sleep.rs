@@ -9,14 +9,17 @@
 //!           -> copy the kept bytes back
 //! ```
 
-use vmm::{Backend, ErrorKind, HostCopy};
-
+use std::ops::Range;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use vmm::{Backend, ErrorKind, HostBuffer, HostCopy};
 
 use super::inner::Inner;
 use super::Pool;
 use crate::arena::ArenaId;
 use crate::ordering::{Stream, StreamShared};
+use crate::space::Space;
 use crate::va::Va;
 use crate::{Error, Result};
 
@@ -44,20 +47,30 @@ pub enum SleepLevel {
 
 /// What a [`crate::Pool::sleep`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SleepReport {
     /// Live bytes copied to host memory.
     pub kept_bytes: u64,
     /// Device memory given back.
     pub released_bytes: u64,
+    /// Page-locked host memory this sleep allocated: 0 when the buffer the
+    /// pool held already (from an earlier sleep, or [`Pool::reserve_host`])
+    /// was large enough.
+    pub pinned_bytes: u64,
+    /// Batches the copy and the release went in (Note [Sleep and wake]).
+    pub batches: u64,
 }
 
 /// What a [`crate::Pool::wake`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WakeReport {
     /// Bytes copied back from host memory.
     pub restored_bytes: u64,
     /// Device memory mapped again.
     pub mapped_bytes: u64,
+    /// Batches the mapping and the copy went in.
+    pub batches: u64,
 }
 
 impl<B: Backend> Pool<B> {
@@ -79,24 +92,42 @@ impl<B: Backend> Pool<B> {
     /// is [`SleepLevel::KeepTagged`], then unmaps and releases every chunk.
     /// The address range stays reserved. Until [`Pool::wake`], allocating
     /// and freeing fail with [`Error::Asleep`]; work on the pool's memory
-    /// faults. A failure before the release (no host memory, a failed copy)
-    /// leaves the pool as it was. Not during a graph capture, nor while
-    /// another process holds imports of the pool's memory.
+    /// faults. Not during a graph capture, nor while another process holds
+    /// imports of the pool's memory.
+    ///
+    /// The host memory is page-locked and stays with the pool after the
+    /// wake, for the next sleep to reuse ([`PoolStats::host_bytes`](crate::PoolStats::host_bytes);
+    /// [`Pool::release_host`] gives it back, [`Pool::reserve_host`] takes it
+    /// ahead of time). A sleep that needs more frees the old buffer and
+    /// allocates a larger one. The copy goes in batches, each batch's
+    /// chunks released as soon as its bytes are on the host.
+    ///
+    /// A failure leaves the pool awake with its bytes: before the release
+    /// (no host memory, a failed copy) as it was; during it, the batches
+    /// released so far are mapped and copied back. Should that fail too,
+    /// the pool is left asleep ([`Pool::is_asleep`]) with those batches'
+    /// bytes on the host, and [`Pool::wake`] brings them back.
     pub fn sleep(&self, level: SleepLevel, stream: &Stream<B>) -> Result<SleepReport> {
         self.same_device(stream)?;
         if self.0.exports.leases() > 0 {
             return Err(Error::SleepState("shared with another process"));
         }
-        let report = self.lock().sleep(&self.0.backend, level, &stream.0)?;
-        self.0.asleep.store(true, Ordering::Release);
-        Ok(report)
+        let mut inner = self.lock();
+        let report = inner.sleep(&self.0.backend, level, &stream.0);
+        // Asleep also after a failed release that could not be undone.
+        if inner.slumber.is_some() {
+            self.0.asleep.store(true, Ordering::Release);
+        }
+        report
     }
 
     /// Brings a sleeping pool's memory back: new chunks mapped where the old
     /// ones were, with the same access (peers included), and the kept bytes
-    /// copied back, in `stream`'s order; returns once they are. Too little
-    /// device memory is [`Error::WakeOutOfMemory`], and the pool stays
-    /// asleep with its bytes on the host, to be woken again later.
+    /// copied back, in `stream`'s order; returns once they are. The chunks
+    /// are mapped in batches, each batch's copy running while the next is
+    /// mapped. The host buffer stays with the pool ([`Pool::sleep`]). Too
+    /// little device memory is [`Error::WakeOutOfMemory`], and the pool
+    /// stays asleep with its bytes on the host, to be woken again later.
     pub fn wake(&self, stream: &Stream<B>) -> Result<WakeReport> {
         self.same_device(stream)?;
         let report = self.lock().wake(&self.0.backend, &stream.0)?;
@@ -109,19 +140,142 @@ impl<B: Backend> Pool<B> {
     pub fn is_asleep(&self) -> bool {
         self.0.asleep.load(Ordering::Acquire)
     }
+
+    /// Makes sure the pool holds at least `bytes` of page-locked host
+    /// memory for its next [`Pool::sleep`], so that the sleep does not pay
+    /// for pinning it (the kernel's work, at a few GB/s: most of a first
+    /// sleep's time). The memory is pinned outside the pool's lock, so
+    /// allocating from the pool goes on meanwhile; a smaller buffer held
+    /// before is freed first. Refused ([`Error::SleepState`]) while the
+    /// pool sleeps with bytes kept in it.
+    pub fn reserve_host(&self, bytes: u64) -> Result<()> {
+        let (size, old) = {
+            let mut inner = self.lock();
+            if inner.keeps_on_host() {
+                return Err(Error::SleepState(ASLEEP_WITH_HOST));
+            }
+            if inner.host_bytes() >= bytes {
+                return Ok(());
+            }
+            (host_size(bytes, inner.space.granule()), inner.host.take())
+        };
+        // Never both pinned at once.
+        drop(old);
+        let buffer = self.0.backend.alloc_host(size as usize)?;
+        let mut inner = self.lock();
+        if inner.keeps_on_host() {
+            // A sleep came in between, with a buffer of its own.
+            drop(inner);
+            return Err(Error::SleepState(ASLEEP_WITH_HOST));
+        }
+        if inner.host_bytes() >= size {
+            return Ok(());
+        }
+        let old = inner.host.replace(buffer);
+        drop(inner);
+        drop(old);
+        tracing::debug!(pool = self.0.id, bytes = size, "host memory reserved");
+        Ok(())
+    }
+
+    /// Frees the page-locked host memory the pool keeps between sleeps;
+    /// returns its size in bytes (0 if it held none). The next sleep that
+    /// keeps bytes allocates it again. Refused ([`Error::SleepState`])
+    /// while the pool sleeps with bytes kept in it.
+    pub fn release_host(&self) -> Result<u64> {
+        let old = {
+            let mut inner = self.lock();
+            if inner.keeps_on_host() {
+                return Err(Error::SleepState(ASLEEP_WITH_HOST));
+            }
+            inner.host.take()
+        };
+        // Freed outside the lock: unpinning takes a while.
+        let bytes = old.as_ref().map_or(0, |h| h.len() as u64);
+        drop(old);
+        Ok(bytes)
+    }
 }
 
-/// A sleeping pool's state: its kept bytes and where its units were.
-pub(super) struct Slumber<B: Backend> {
-    host: Option<B::HostBuffer>,
-    /// Where each kept range goes back, and where it is in `host`.
+/// [`Error::SleepState`] for what the host buffer cannot do while asleep.
+const ASLEEP_WITH_HOST: &str = "asleep: its host buffer holds the kept bytes";
+
+/// About how many batches a sleep or a wake splits its units into: the
+/// driver work on one batch (releasing, or creating and mapping) overlaps
+/// the copy of another, so what does not overlap (the first batch mapped,
+/// the last released) is about a 32nd of it.
+const BATCHES: u64 = 32;
+
+/// The largest batch, in bytes.
+const MAX_BATCH: u64 = 1 << 30;
+
+/// A host buffer for `bytes`, in whole granules (so that a sleep a little
+/// larger than the last may still fit).
+fn host_size(bytes: u64, granule: u64) -> u64 {
+    bytes.next_multiple_of(granule.max(1))
+}
+
+/// `units` (address order) in batches of about `total / BATCHES` bytes, at
+/// least a granule and at most [`MAX_BATCH`]: index ranges into `units`.
+fn batch_units(units: &[(Va, u64)], granule: u64) -> Vec<Range<usize>> {
+    let total: u64 = units.iter().map(|&(_, len)| len).sum();
+    let target = (total / BATCHES).clamp(granule.max(1), MAX_BATCH);
+    let mut batches = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, &(_, len)) in units.iter().enumerate() {
+        bytes += len;
+        if bytes >= target {
+            batches.push(start..i + 1);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < units.len() {
+        batches.push(start..units.len());
+    }
+    batches
+}
+
+/// `copies` split into one list per batch: batch `i` spans the addresses
+/// from `starts[i]` to `starts[i + 1]` (the first from 0, the last to the
+/// end of the address space), and a copy crossing a boundary is cut there.
+fn split_copies(copies: &[HostCopy], starts: &[u64]) -> Vec<Vec<HostCopy>> {
+    let bounds = starts.get(1..).unwrap_or_default();
+    let mut batches = vec![Vec::new(); starts.len().max(1)];
+    for c in copies {
+        let (mut at, mut host, mut left) = (c.device.0, c.host_offset, c.len as u64);
+        let mut b = bounds.partition_point(|&s| s <= at);
+        while left > 0 {
+            let end = bounds.get(b).copied().unwrap_or(u64::MAX);
+            let len = left.min(end - at);
+            batches[b].push(HostCopy {
+                device: vmm::DevicePtr(at),
+                host_offset: host,
+                len: len as usize,
+            });
+            (at, host, left) = (at + len, host + len as usize, left - len);
+            b += 1;
+        }
+    }
+    batches
+}
+
+/// The address each batch of `units` starts at.
+fn batch_starts(units: &[(Va, u64)], batches: &[Range<usize>]) -> Vec<u64> {
+    batches.iter().map(|b| units[b.start].0 .0).collect()
+}
+
+/// A sleeping pool's state: where its kept bytes are in the pool's host
+/// buffer and where its units were.
+pub(super) struct Slumber {
+    /// Where each kept range goes back, and where it is in the host
+    /// buffer, in address order.
     copies: Vec<HostCopy>,
     kept: u64,
     /// The units released, in address order, to map at the same addresses.
     units: Vec<(Va, u64)>,
 }
 
-impl<B: Backend> Slumber<B> {
+impl Slumber {
     pub(super) fn kept_bytes(&self) -> u64 {
         self.kept
     }
@@ -149,6 +303,16 @@ impl<B: Backend> Slumber<B> {
 }
 
 impl<B: Backend> Inner<B> {
+    /// Page-locked host bytes held for sleeping.
+    pub(super) fn host_bytes(&self) -> u64 {
+        self.host.as_ref().map_or(0, |h| h.len() as u64)
+    }
+
+    /// Asleep with bytes in the host buffer, which must then stay as it is.
+    fn keeps_on_host(&self) -> bool {
+        self.slumber.as_ref().is_some_and(|s| s.kept > 0)
+    }
+
     /// See [`crate::Pool::sleep`]. `stream`'s work so far may use the
     /// memory; so may the work of every stream with frees pending here,
     /// which is waited for too.
@@ -166,36 +330,62 @@ impl<B: Backend> Inner<B> {
         }
         backend.synchronize_stream(&stream.raw)?;
         let keep = level == SleepLevel::KeepTagged && self.retention == Retention::Keep;
-        let mut copies = Vec::new();
-        let mut kept = 0;
+        let mut ranges = Vec::new();
         if keep {
             for arena in [ArenaId::Small, ArenaId::Large] {
-                for (start, len) in self.arenas[arena].heap.used_ranges() {
-                    copies.push(HostCopy {
-                        device: vmm::DevicePtr(start),
-                        host_offset: kept as usize,
-                        len: len as usize,
-                    });
-                    kept += len;
-                }
+                ranges.extend(self.arenas[arena].heap.used_ranges());
             }
         }
-        // Host memory first, and the copy: a failure of either leaves the
-        // pool as it was.
-        let host = if kept > 0 {
-            let mut host = backend.alloc_host(kept as usize)?;
-            backend.copy_device_to_host(&stream.raw, &copies, &mut host)?;
-            Some(host)
-        } else {
-            None
-        };
+        ranges.sort_unstable();
+        let mut copies = Vec::with_capacity(ranges.len());
+        let mut kept = 0;
+        for (start, len) in ranges {
+            copies.push(HostCopy {
+                device: vmm::DevicePtr(start),
+                host_offset: kept as usize,
+                len: len as usize,
+            });
+            kept += len;
+        }
+        // Host memory first: a failure leaves the pool as it was.
+        let mut pinned_bytes = 0;
+        let pinning = Instant::now();
+        if kept > 0 && self.host_bytes() < kept {
+            // Never both pinned at once.
+            self.host = None;
+            let size = host_size(kept, self.space.granule());
+            self.host = Some(backend.alloc_host(size as usize)?);
+            pinned_bytes = size;
+        }
+        let pinning = pinning.elapsed();
         let before = self.space.reserved();
-        let all: Vec<Va> = self.space.units().keys().copied().collect();
-        let units = self.space.release_units(all);
+        self.space.retry_unreleased();
+        let all: Vec<(Va, u64)> = self
+            .space
+            .units()
+            .iter()
+            .map(|(&va, m)| (va, m.size() as u64))
+            .collect();
+        let started = Instant::now();
+        let (units, batches) = if kept > 0 {
+            self.copy_out_and_release(backend, stream, &all, &copies)?
+        } else {
+            let units = self.space.release_units(all.iter().map(|&(va, _)| va));
+            (units, 0)
+        };
+        self.space.release_spares();
         let released_bytes = before - self.space.reserved();
-        tracing::debug!(kept, released_bytes, units = units.len(), "pool asleep");
+        tracing::debug!(
+            kept,
+            released_bytes,
+            pinned_bytes,
+            units = units.len(),
+            batches,
+            pinning = ?pinning,
+            took = ?started.elapsed(),
+            "pool asleep"
+        );
         self.slumber = Some(Slumber {
-            host,
             copies,
             kept,
             units,
@@ -203,7 +393,80 @@ impl<B: Backend> Inner<B> {
         Ok(SleepReport {
             kept_bytes: kept,
             released_bytes,
+            pinned_bytes,
+            batches: batches as u64,
         })
+    }
+
+    /// Copies `copies` into the host buffer batch by batch, releasing each
+    /// batch of `units` once its bytes are there; returns the units
+    /// released and the number of batches. On failure, what was released
+    /// is mapped and copied back; if that fails too, the pool is left
+    /// asleep with it (`self.slumber`).
+    fn copy_out_and_release(
+        &mut self,
+        backend: &B,
+        stream: &StreamShared<B>,
+        units: &[(Va, u64)],
+        copies: &[HostCopy],
+    ) -> Result<(Vec<(Va, u64)>, usize)> {
+        let groups = batch_units(units, self.space.granule());
+        let batches = split_copies(copies, &batch_starts(units, &groups));
+        let mut released = Vec::new();
+        let mut done = 0;
+        let host = self.host.as_mut().expect("allocated above");
+        let space = &mut self.space;
+        let started = Instant::now();
+        let mut releasing = Duration::ZERO;
+        let copied = if groups.is_empty() {
+            // No unit: nothing to release; the bytes stay where they are.
+            Ok(())
+        } else {
+            backend.copy_device_to_host_pipelined(&stream.raw, &batches, host, &mut |i| {
+                let t = Instant::now();
+                let vas = units[groups[i].clone()].iter().map(|&(va, _)| va);
+                released.extend(space.release_units(vas));
+                releasing += t.elapsed();
+                done = i + 1;
+                Ok(())
+            })
+        };
+        tracing::debug!(
+            batches = groups.len(),
+            took = ?started.elapsed(),
+            releasing = ?releasing,
+            "copied out and released"
+        );
+        let Err(err) = copied.map_err(Error::from) else {
+            return Ok((released, groups.len()));
+        };
+        if released.is_empty() {
+            return Err(err);
+        }
+        // The batches done are on the host and their units released; the
+        // others are as they were. Back to awake.
+        let partial: Vec<HostCopy> = batches[..done].concat();
+        let partial = Slumber {
+            kept: partial.iter().map(|c| c.len as u64).sum(),
+            copies: partial,
+            units: released,
+        };
+        match self.restore(backend, stream, &partial) {
+            Ok(_) => {
+                tracing::warn!(%err, "sleep failed; the memory it released is back");
+            }
+            Err(again) => {
+                tracing::error!(
+                    %err,
+                    %again,
+                    kept = partial.kept,
+                    "sleep failed and its release could not be undone: \
+                     the pool stays asleep, its released bytes on the host; wake it"
+                );
+                self.slumber = Some(partial);
+            }
+        }
+        Err(err)
     }
 
     /// See [`crate::Pool::wake`]. On failure nothing has changed: the pool
@@ -212,79 +475,288 @@ impl<B: Backend> Inner<B> {
         let Some(slumber) = self.slumber.take() else {
             return Err(Error::SleepState("awake"));
         };
-        match self.map_again(backend, stream, &slumber) {
+        let started = Instant::now();
+        match self.restore(backend, stream, &slumber) {
             Ok(report) => {
                 tracing::debug!(
                     restored = report.restored_bytes,
                     mapped = report.mapped_bytes,
+                    batches = report.batches,
+                    took = ?started.elapsed(),
                     "pool awake"
                 );
                 Ok(report)
             }
             Err(err) => {
-                // Back to sleep: what this call mapped goes again.
-                let vas = slumber.units.iter().map(|&(va, _)| va);
-                self.space.release_units(vas);
-                let needed = slumber.unit_bytes();
-                let kept = slumber.kept;
                 self.slumber = Some(slumber);
-                match err {
-                    Error::Driver(e) if e.kind() == ErrorKind::OutOfMemory => {
-                        let device_free =
-                            backend.mem_info(stream.device).map_or(0, |m| m.free as u64);
-                        Err(Error::WakeOutOfMemory {
-                            device: stream.device,
-                            needed,
-                            device_free,
-                            kept,
-                        })
-                    }
-                    err => Err(err),
-                }
+                Err(err)
             }
         }
     }
 
-    /// Creates the slumber's units where they were, then copies its kept
-    /// bytes back.
+    /// Maps `slumber`'s units again and copies its bytes back. On failure,
+    /// what this call mapped goes again, so that `slumber` describes the
+    /// pool still; too little device memory is [`Error::WakeOutOfMemory`].
+    fn restore(
+        &mut self,
+        backend: &B,
+        stream: &StreamShared<B>,
+        slumber: &Slumber,
+    ) -> Result<WakeReport> {
+        match self.map_again(backend, stream, slumber) {
+            Ok(report) => Ok(report),
+            Err(err) => match err {
+                Error::Driver(e) if e.kind() == ErrorKind::OutOfMemory => {
+                    let device_free = backend.mem_info(stream.device).map_or(0, |m| m.free as u64);
+                    Err(Error::WakeOutOfMemory {
+                        device: stream.device,
+                        needed: slumber.unit_bytes(),
+                        device_free,
+                        kept: slumber.kept,
+                    })
+                }
+                err => Err(err),
+            },
+        }
+    }
+
+    /// Creates the slumber's units where they were, batch by batch, each
+    /// batch's kept bytes copied back while the next is mapped; adjacent
+    /// units inside one live allocation come back as one chunk
+    /// ([`wake_chunks`]). On failure, what this call mapped goes again.
     fn map_again(
         &mut self,
         backend: &B,
         stream: &StreamShared<B>,
-        slumber: &Slumber<B>,
+        slumber: &Slumber,
     ) -> Result<WakeReport> {
-        let mut mapped = 0;
-        let mut units = slumber.units.iter().peekable();
-        while let Some(&(start, len)) = units.next() {
-            let mut chunks = vec![self.space.create_chunk(len)?];
-            let mut end = start + len;
-            while let Some(&&(va, len)) = units.peek() {
-                if va != end {
-                    break;
-                }
-                units.next();
-                // A chunk created but not yet mapped is spare: released if
-                // this wake fails.
-                match self.space.create_chunk(len) {
-                    Ok(chunk) => chunks.push(chunk),
-                    Err(err) => {
-                        for chunk in chunks {
-                            self.space.keep_spare(chunk);
-                        }
-                        return Err(err);
-                    }
-                }
-                end += len;
-            }
-            self.space.map_at(start, chunks)?;
-            mapped += end.0 - start.0;
+        let mut blocks = Vec::new();
+        for arena in [ArenaId::Small, ArenaId::Large] {
+            blocks.extend(self.arenas[arena].heap.used_blocks());
         }
-        if let Some(host) = &slumber.host {
-            backend.copy_host_to_device(&stream.raw, host, &slumber.copies)?;
+        blocks.sort_unstable();
+        let cap = self.arenas[ArenaId::Large].policy.chunk_size;
+        let chunks = wake_chunks(&slumber.units, &blocks, cap);
+        let mapped = self.map_chunks(backend, stream, slumber, &chunks);
+        if mapped.is_err() {
+            self.space.release_units(chunks.iter().map(|&(va, _)| va));
+            self.space.release_spares();
         }
         Ok(WakeReport {
             restored_bytes: slumber.kept,
-            mapped_bytes: mapped,
+            mapped_bytes: slumber.unit_bytes(),
+            batches: mapped?,
         })
+    }
+
+    /// Creates and maps `chunks` (address order) in batches, copying the
+    /// slumber's kept bytes of each batch back while the next is mapped;
+    /// returns the number of batches.
+    fn map_chunks(
+        &mut self,
+        backend: &B,
+        stream: &StreamShared<B>,
+        slumber: &Slumber,
+        chunks: &[(Va, u64)],
+    ) -> Result<u64> {
+        let groups = batch_units(chunks, self.space.granule());
+        let space = &mut self.space;
+        match &self.host {
+            Some(host) if slumber.kept > 0 && !groups.is_empty() => {
+                let batches = split_copies(&slumber.copies, &batch_starts(chunks, &groups));
+                let mut failure = None;
+                let started = Instant::now();
+                let mut mapping = Duration::ZERO;
+                let copied =
+                    backend.copy_host_to_device_pipelined(&stream.raw, host, &batches, &mut |i| {
+                        let t = Instant::now();
+                        let mapped = map_units(space, &chunks[groups[i].clone()]);
+                        mapping += t.elapsed();
+                        carry(&mut failure, mapped)
+                    });
+                tracing::debug!(
+                    batches = groups.len(),
+                    chunks = chunks.len(),
+                    took = ?started.elapsed(),
+                    mapping = ?mapping,
+                    "mapped and copied back"
+                );
+                outcome(copied, failure)?;
+            }
+            _ => {
+                for group in &groups {
+                    map_units(space, &chunks[group.clone()])?;
+                }
+            }
+        }
+        Ok(groups.len() as u64)
+    }
+}
+
+/// The chunks a wake creates for `units` (address order), as (address,
+/// size): one per unit, except that adjacent units lying wholly inside one
+/// allocated block of `blocks` (address order) are created as one chunk,
+/// of at most `cap` bytes (the pool's growth chunk size) unless a single
+/// unit is larger. Such units hold live bytes only, all of one
+/// allocation: they are freed together, so a larger chunk strands no free
+/// memory, and each chunk not created saves its driver calls (create, map,
+/// set access, and at the next sleep unmap and release: about 100 us
+/// together on the H200, against 38 us to copy 2 MiB).
+fn wake_chunks(units: &[(Va, u64)], blocks: &[(u64, u64)], cap: u64) -> Vec<(Va, u64)> {
+    let mut chunks: Vec<(Va, u64)> = Vec::with_capacity(units.len());
+    // The block the last chunk lies wholly inside, if it does.
+    let mut last_inside: Option<usize> = None;
+    let mut b = 0;
+    for &(va, len) in units {
+        while b < blocks.len() && blocks[b].0 + blocks[b].1 <= va.0 {
+            b += 1;
+        }
+        let inside = blocks
+            .get(b)
+            .filter(|&&(start, size)| start <= va.0 && va.0 + len <= start + size)
+            .map(|_| b);
+        match chunks.last_mut() {
+            Some((at, size))
+                if inside.is_some()
+                    && last_inside == inside
+                    && *at + *size == va
+                    && *size + len <= cap =>
+            {
+                *size += len;
+            }
+            _ => chunks.push((va, len)),
+        }
+        last_inside = inside;
+    }
+    chunks
+}
+
+/// Creates chunks for `units` (address order) and maps each run of adjacent
+/// ones where it was, one set-access call a run. A chunk created but not
+/// mapped is left spare (released if the wake fails).
+fn map_units<B: Backend>(space: &mut Space<B>, units: &[(Va, u64)]) -> Result<()> {
+    let mut units = units.iter().peekable();
+    while let Some(&(start, len)) = units.next() {
+        let mut chunks = vec![space.create_chunk(len)?];
+        let mut end = start + len;
+        while let Some(&&(va, len)) = units.peek() {
+            if va != end {
+                break;
+            }
+            units.next();
+            match space.create_chunk(len) {
+                Ok(chunk) => chunks.push(chunk),
+                Err(err) => {
+                    for chunk in chunks {
+                        space.keep_spare(chunk);
+                    }
+                    return Err(err);
+                }
+            }
+            end += len;
+        }
+        space.map_at(start, chunks)?;
+    }
+    Ok(())
+}
+
+/// A pool step inside a driver layer's callback: its error is kept in
+/// `failure`, and the driver layer gets a stand-in that stops the calls.
+fn carry(failure: &mut Option<Error>, step: Result<()>) -> vmm::Result<()> {
+    step.map_err(|err| {
+        let stand_in = vmm::Error::Rejected {
+            call: "wake",
+            kind: match &err {
+                Error::Driver(e) => e.kind(),
+                _ => ErrorKind::Other,
+            },
+            reason: err.to_string(),
+        };
+        *failure = Some(err);
+        stand_in
+    })
+}
+
+/// The error of a call whose callback went through [`carry`]: the pool's
+/// own, if the callback failed.
+fn outcome(result: vmm::Result<()>, failure: Option<Error>) -> Result<()> {
+    match (result, failure) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(err)) => Err(err),
+        (Err(err), None) => Err(err.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 2 << 20;
+
+    fn copy(at: u64, host: usize, len: usize) -> HostCopy {
+        HostCopy {
+            device: vmm::DevicePtr(at),
+            host_offset: host,
+            len,
+        }
+    }
+
+    #[test]
+    fn units_go_in_batches_of_a_32nd() {
+        let units: Vec<(Va, u64)> = (0..64).map(|i| (Va(i * G), G)).collect();
+        let batches = batch_units(&units, G);
+        assert_eq!(batches.len(), 32);
+        assert!(batches.iter().all(|b| b.len() == 2));
+        // Small: a granule a batch at least.
+        assert_eq!(batch_units(&units[..3], G).len(), 3);
+        assert!(batch_units(&[], G).is_empty());
+        // Uneven units: every unit in one batch, in order.
+        let units = [(Va(0), G), (Va(G), 5 * G), (Va(9 * G), G)];
+        let batches = batch_units(&units, G);
+        assert_eq!(batches, vec![0..1, 1..2, 2..3]);
+    }
+
+    #[test]
+    fn copies_are_cut_at_batch_starts() {
+        let copies = [
+            copy(G / 2, 0, 3 * G as usize),
+            copy(5 * G, 3 * G as usize, 8),
+        ];
+        let batches = split_copies(&copies, &[0, G, 2 * G, 4 * G]);
+        let g = G as usize;
+        assert_eq!(batches[0], vec![copy(G / 2, 0, g / 2)]);
+        assert_eq!(batches[1], vec![copy(G, g / 2, g)]);
+        assert_eq!(batches[2], vec![copy(2 * G, 3 * g / 2, 3 * g / 2)]);
+        assert_eq!(batches[3], vec![copy(5 * G, 3 * g, 8)]);
+        // Every byte once.
+        let total: usize = batches.iter().flatten().map(|c| c.len).sum();
+        assert_eq!(total, 3 * g + 8);
+    }
+
+    #[test]
+    fn units_inside_one_allocation_come_back_as_one_chunk() {
+        let units: Vec<(Va, u64)> = (0..10).map(|i| (Va(i * G), G)).collect();
+        // An allocation over units 1..=5 and part of 6, another over 7..=9.
+        let blocks = [(G - 256, 5 * G + 512), (7 * G, 3 * G)];
+        let chunks = wake_chunks(&units, &blocks, 3 * G);
+        assert_eq!(
+            chunks,
+            vec![
+                (Va(0), G),         // partly inside: alone
+                (Va(G), 3 * G),     // units 1..=3, up to the cap
+                (Va(4 * G), 2 * G), // units 4 and 5
+                (Va(6 * G), G),     // partly inside
+                (Va(7 * G), 3 * G), // the second allocation
+            ]
+        );
+        // Two allocations side by side are not joined.
+        let blocks = [(0, 2 * G), (2 * G, 2 * G)];
+        assert_eq!(
+            wake_chunks(&units[..4], &blocks, 8 * G),
+            vec![(Va(0), 2 * G), (Va(2 * G), 2 * G)]
+        );
+        // Units that are not adjacent are not joined.
+        let units = [(Va(0), G), (Va(3 * G), G)];
+        assert_eq!(wake_chunks(&units, &[(0, 8 * G)], 8 * G), units.to_vec());
     }
 }

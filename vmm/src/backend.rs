@@ -177,6 +177,59 @@ pub trait Backend: Send + Sync + 'static {
         src: &Self::HostBuffer,
         ranges: &[HostCopy],
     ) -> Result<()>;
+
+    /// [`Backend::copy_device_to_host`] in batches, for a caller that frees
+    /// the device memory of each batch as soon as it is copied: queues the
+    /// batches in order after the work queued on `stream` so far (a few
+    /// ahead of the one awaited), and once batch `i`'s copies have all
+    /// completed calls `done(i)`, while the later batches' copies run.
+    /// `done` may unmap batch `i`'s device ranges, never a later batch's.
+    /// Every range is checked against `dst` before anything is queued. On
+    /// any failure (a copy, a wait, or `done` returning an error) no later
+    /// `done` is called; the error is returned once nothing queued is still
+    /// running. The CUDA backend overlaps `done` with the copies (an event
+    /// after each batch); the default runs batch after batch.
+    fn copy_device_to_host_pipelined(
+        &self,
+        stream: &Self::Stream,
+        batches: &[Vec<HostCopy>],
+        dst: &mut Self::HostBuffer,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        for batch in batches {
+            check_host_ranges("copy_device_to_host", batch, dst.len())?;
+        }
+        for (i, batch) in batches.iter().enumerate() {
+            self.copy_device_to_host(stream, batch, dst)?;
+            done(i)?;
+        }
+        Ok(())
+    }
+
+    /// [`Backend::copy_host_to_device`] in batches, for a caller that maps
+    /// the device memory of each batch just before it is copied: for each
+    /// batch in order, calls `ready(i)` (which maps batch `i`'s device
+    /// ranges), then queues its copies on `stream` without waiting, so that
+    /// `ready(i + 1)` runs while batch `i` is copied. Returns once every
+    /// copy has completed. Every range is checked against `src` first. On
+    /// any failure (`ready` returning an error, a copy) nothing more is
+    /// queued, and the error is returned once what was queued has run.
+    fn copy_host_to_device_pipelined(
+        &self,
+        stream: &Self::Stream,
+        src: &Self::HostBuffer,
+        batches: &[Vec<HostCopy>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        for batch in batches {
+            check_host_ranges("copy_host_to_device", batch, src.len())?;
+        }
+        for (i, batch) in batches.iter().enumerate() {
+            ready(i)?;
+            self.copy_host_to_device(stream, src, batch)?;
+        }
+        Ok(())
+    }
 }
 
 /// Checks that every range lies inside a host buffer of `len` bytes.

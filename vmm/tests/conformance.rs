@@ -520,6 +520,162 @@ pub fn copies_through_host_memory<B: TestBackend>(b: &Arc<B>) {
     assert!(b.copy_device_to_host(&s, &unmapped, &mut host).is_err());
 }
 
+/// Pipelined copies through host memory: batches out in order after the
+/// stream's earlier work, each batch's `done` free to unmap its memory
+/// while later batches copy; batches back in, each mapped by its `ready`
+/// just before its copy; a failing callback stops the calls, with what
+/// was queued before it done.
+pub fn pipelined_copies_through_host_memory<B: TestBackend>(b: &Arc<B>) {
+    let g = granularity(b);
+    let n = 4;
+    let s = b.create_stream(DEV).unwrap();
+    let reservation = Reservation::new(b, n * g, 0).unwrap();
+    let rw = [AccessDesc::read_write(DEV)];
+    let map_all = || -> Vec<Option<Mapping<B>>> {
+        (0..n)
+            .map(|i| {
+                let chunk = Chunk::new(b, DEV, g).unwrap();
+                let m = Mapping::new(&reservation, i * g, &chunk).unwrap();
+                m.set_access(&rw).unwrap();
+                Some(m)
+            })
+            .collect()
+    };
+    let mut mappings = map_all();
+    // Behind a delay: the copies must wait for the fills.
+    b.delay(&s, Duration::from_millis(50)).unwrap();
+    for (i, m) in mappings.iter().enumerate() {
+        let m = m.as_ref().unwrap();
+        b.fill_u32(&s, m.va(), g / 4, 0xB0_0000 + i as u32).unwrap();
+    }
+    let batches: Vec<Vec<vmm::HostCopy>> = (0..n)
+        .map(|i| {
+            // Two ranges a batch.
+            let at = reservation.base().byte_add(i * g);
+            vec![
+                vmm::HostCopy {
+                    device: at,
+                    host_offset: i * g,
+                    len: g / 2,
+                },
+                vmm::HostCopy {
+                    device: at.byte_add(g / 2),
+                    host_offset: i * g + g / 2,
+                    len: g / 2,
+                },
+            ]
+        })
+        .collect();
+    let mut host = b.alloc_host(n * g).unwrap();
+    let mut order = Vec::new();
+    b.copy_device_to_host_pipelined(&s, &batches, &mut host, &mut |i| {
+        order.push(i);
+        // Done with: unmapped while the later batches copy.
+        drop(mappings[i].take());
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(order, (0..n).collect::<Vec<_>>());
+    let words = |bytes: &[u8]| -> Vec<u32> {
+        bytes
+            .chunks_exact(4)
+            .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+            .collect()
+    };
+    for i in 0..n {
+        let bytes = &vmm::HostBuffer::as_slice(&host)[i * g..(i + 1) * g];
+        assert!(
+            words(bytes).iter().all(|&w| w == 0xB0_0000 + i as u32),
+            "batch {i}"
+        );
+    }
+
+    // Back in, each batch mapped just before its copy.
+    let mut mapped: Vec<Option<Mapping<B>>> = (0..n).map(|_| None).collect();
+    b.copy_host_to_device_pipelined(&s, &host, &batches, &mut |i| {
+        let chunk = Chunk::new(b, DEV, g)?;
+        let m = Mapping::new(&reservation, i * g, &chunk)?;
+        m.set_access(&rw)?;
+        mapped[i] = Some(m);
+        Ok(())
+    })
+    .unwrap();
+    for (i, m) in mapped.iter().enumerate() {
+        let m = m.as_ref().unwrap();
+        assert_eq!(
+            read_u32s(&**b, &s, m.va(), 4),
+            vec![0xB0_0000 + i as u32; 4]
+        );
+        assert_eq!(
+            read_u32s(&**b, &s, m.va().byte_add(g - 16), 4),
+            vec![0xB0_0000 + i as u32; 4]
+        );
+    }
+
+    // A failing `done` stops the calls; so does a failing `ready`, after
+    // the batches before it were copied.
+    let mut calls = Vec::new();
+    let stopped = b.copy_device_to_host_pipelined(&s, &batches, &mut host, &mut |i| {
+        calls.push(i);
+        if i == 1 {
+            Err(vmm::Error::Rejected {
+                call: "test",
+                kind: ErrorKind::Other,
+                reason: "stop".into(),
+            })
+        } else {
+            Ok(())
+        }
+    });
+    assert_kind(stopped, ErrorKind::Other);
+    assert_eq!(calls, vec![0, 1]);
+    for m in mapped.iter().flatten() {
+        b.fill_u32(&s, m.va(), g / 4, 0).unwrap();
+    }
+    let mut readied = Vec::new();
+    let stopped = b.copy_host_to_device_pipelined(&s, &host, &batches, &mut |i| {
+        readied.push(i);
+        if i == 2 {
+            Err(vmm::Error::Rejected {
+                call: "test",
+                kind: ErrorKind::Other,
+                reason: "stop".into(),
+            })
+        } else {
+            Ok(())
+        }
+    });
+    assert_kind(stopped, ErrorKind::Other);
+    assert_eq!(readied, vec![0, 1, 2]);
+    for (i, m) in mapped.iter().enumerate() {
+        let expect = if i < 2 { 0xB0_0000 + i as u32 } else { 0 };
+        assert_eq!(
+            read_u32s(&**b, &s, m.as_ref().unwrap().va(), 4),
+            vec![expect; 4]
+        );
+    }
+
+    // A range outside the buffer: refused before any callback.
+    let mut too_far = batches.clone();
+    too_far[3][1].host_offset = n * g;
+    let mut called = false;
+    assert_kind(
+        b.copy_device_to_host_pipelined(&s, &too_far, &mut host, &mut |_| {
+            called = true;
+            Ok(())
+        }),
+        ErrorKind::InvalidArgument,
+    );
+    assert_kind(
+        b.copy_host_to_device_pipelined(&s, &host, &too_far, &mut |_| {
+            called = true;
+            Ok(())
+        }),
+        ErrorKind::InvalidArgument,
+    );
+    assert!(!called);
+}
+
 /// What a graph capture (as PyTorch's `torch.cuda.graph` makes) refuses,
 /// which the pool must never ask for on a capturing stream.
 pub fn capture_refuses_what_crosses_it<B: TestBackend>(b: &Arc<B>) {
@@ -643,6 +799,7 @@ macro_rules! cases {
                 set_access_errors,
                 remap_keeps_data,
                 copies_through_host_memory,
+                pipelined_copies_through_host_memory,
                 two_mappings_share_data,
                 multi_granule_chunk,
                 owners_keep_teardown_order,

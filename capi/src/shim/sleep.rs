@@ -48,6 +48,7 @@ impl<B: Backend> Shim<B> {
                 device = dev.id.0,
                 kept = report.kept_bytes,
                 released = report.released_bytes,
+                pinned = report.pinned_bytes,
                 "vmpool: asleep"
             );
         }
@@ -71,5 +72,24 @@ impl<B: Backend> Shim<B> {
             );
         }
         Ok(())
+    }
+
+    /// Makes `device`'s pool hold at least `bytes` of page-locked host
+    /// memory for its next sleep, so that the sleep does not pin it
+    /// (`Pool::reserve_host`). The pool is made if need be.
+    pub fn reserve_host(&self, device: i64, bytes: u64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        self.pool(dev)?.reserve_host(bytes)?;
+        Ok(())
+    }
+
+    /// Frees the page-locked host memory `device`'s pool keeps between
+    /// sleeps (`Pool::release_host`); returns its size in bytes.
+    pub fn release_host(&self, device: i64) -> Result<u64, CallError> {
+        let dev = self.device(device)?;
+        match dev.pool.get() {
+            Some(pool) => Ok(pool.release_host()?),
+            None => Ok(0),
+        }
     }
 }

@@ -723,4 +723,30 @@ impl Backend for Cuda {
         check_host_ranges("copy_host_to_device", ranges, src.len())?;
         self.copy_in(stream, src, ranges)
     }
+
+    fn copy_device_to_host_pipelined(
+        &self,
+        stream: &CudaStream,
+        batches: &[Vec<HostCopy>],
+        dst: &mut CudaHostBuffer,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        for batch in batches {
+            check_host_ranges("copy_device_to_host", batch, dst.len())?;
+        }
+        self.copy_out_pipelined(stream, batches, dst, done)
+    }
+
+    fn copy_host_to_device_pipelined(
+        &self,
+        stream: &CudaStream,
+        src: &CudaHostBuffer,
+        batches: &[Vec<HostCopy>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        for batch in batches {
+            check_host_ranges("copy_host_to_device", batch, src.len())?;
+        }
+        self.copy_in_pipelined(stream, src, batches, ready)
+    }
 }

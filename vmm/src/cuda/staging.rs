@@ -5,7 +5,9 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{result, sys, Cuda, CudaStream};
+use std::sync::Arc;
+
+use super::{result, sys, Cuda, CudaEvent, CudaStream};
 use crate::error::report_drop_error;
 use crate::{HostBuffer, HostCopy, Result};
 
@@ -60,13 +62,16 @@ impl Cuda {
         }
         let context = self.device("alloc_host", crate::DeviceId(0))?;
         let _bound = context.bind()?;
+        let started = std::time::Instant::now();
         let raw = mem_host_alloc(size)?;
         let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
             crate::Error::invalid("cuMemHostAlloc", "the driver returned a null pointer")
         })?;
+        let pinned = started.elapsed();
         // SAFETY: the driver gave `size` writable bytes at `ptr`; zeroing
         // them makes every byte initialised before a slice is made of them.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size) };
+        tracing::debug!(size, ?pinned, zeroed = ?(started.elapsed() - pinned), "page-locked host memory");
         Ok(CudaHostBuffer { ptr, len: size })
     }
 
@@ -77,18 +82,8 @@ impl Cuda {
         dst: &mut CudaHostBuffer,
     ) -> Result<()> {
         let _bound = stream.context.bind()?;
-        let base = dst.as_mut_slice();
-        for r in ranges.iter().filter(|r| r.len > 0) {
-            let _mapped = self.mapped("copy_device_to_host", r.device, r.len)?;
-            let out = &mut base[r.host_offset..r.host_offset + r.len];
-            // SAFETY: the stream is live until dropped; the source lies in
-            // vmm's mappings and the caller keeps it mapped until this call
-            // returns; `out` is borrowed mutably for the whole call and not
-            // touched until the synchronisation below completes the copy.
-            unsafe { result::memcpy_dtoh_async(out, r.device.0, stream.stream) }?;
-        }
-        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
-        unsafe { result::stream_synchronize(stream.stream) }
+        let queued = self.queue_out(stream, ranges, dst);
+        finish(stream, queued)
     }
 
     pub(super) fn copy_in(
@@ -98,17 +93,126 @@ impl Cuda {
         ranges: &[HostCopy],
     ) -> Result<()> {
         let _bound = stream.context.bind()?;
+        let queued = self.queue_in(stream, src, ranges);
+        finish(stream, queued)
+    }
+
+    /// See [`crate::Backend::copy_device_to_host_pipelined`]: up to
+    /// [`AHEAD`] batches are queued, each followed by an event; the oldest
+    /// is awaited, `done` called for it, the next one queued.
+    pub(super) fn copy_out_pipelined(
+        &self,
+        stream: &CudaStream,
+        batches: &[Vec<HostCopy>],
+        dst: &mut CudaHostBuffer,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        let window = batches.len().min(AHEAD);
+        let mut events = Vec::with_capacity(window);
+        for _ in 0..window {
+            let event = result::event_create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+            events.push(CudaEvent {
+                event,
+                context: Arc::clone(&stream.context),
+            });
+        }
+        let mut run = || -> Result<()> {
+            let mut queued = 0;
+            for i in 0..batches.len() {
+                // The event of batch `queued` was last recorded for batch
+                // `queued - window`, which was awaited before this.
+                while queued < batches.len() && queued < i + window {
+                    self.queue_out(stream, &batches[queued], dst)?;
+                    // SAFETY: the event and the stream are live, of one
+                    // context.
+                    unsafe { result::event_record(events[queued % window].event, stream.stream) }?;
+                    queued += 1;
+                }
+                // SAFETY: a `CudaEvent` holds a live event until dropped.
+                unsafe { result::event_synchronize(events[i % window].event) }?;
+                done(i)?;
+            }
+            Ok(())
+        };
+        let ran = run();
+        finish(stream, ran)
+    }
+
+    /// See [`crate::Backend::copy_host_to_device_pipelined`].
+    pub(super) fn copy_in_pipelined(
+        &self,
+        stream: &CudaStream,
+        src: &CudaHostBuffer,
+        batches: &[Vec<HostCopy>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let _bound = stream.context.bind()?;
+        let mut run = || -> Result<()> {
+            for (i, batch) in batches.iter().enumerate() {
+                ready(i)?;
+                self.queue_in(stream, src, batch)?;
+            }
+            Ok(())
+        };
+        let ran = run();
+        finish(stream, ran)
+    }
+
+    /// Queues one copy per range out of device memory into `dst`, without
+    /// waiting: the caller synchronises the stream before it returns (and
+    /// before `dst` is touched again), whatever happens.
+    fn queue_out(
+        &self,
+        stream: &CudaStream,
+        ranges: &[HostCopy],
+        dst: &mut CudaHostBuffer,
+    ) -> Result<()> {
+        let base = dst.as_mut_slice();
+        for r in ranges.iter().filter(|r| r.len > 0) {
+            let _mapped = self.mapped("copy_device_to_host", r.device, r.len)?;
+            let out = &mut base[r.host_offset..r.host_offset + r.len];
+            // SAFETY: the stream is live until dropped; the source lies in
+            // vmm's mappings and the caller keeps it mapped until the copy
+            // has run; `dst` is borrowed mutably by the caller until it has
+            // synchronised the stream, which completes the copy.
+            unsafe { result::memcpy_dtoh_async(out, r.device.0, stream.stream) }?;
+        }
+        Ok(())
+    }
+
+    /// Queues one copy per range from `src` into device memory, without
+    /// waiting, as [`Cuda::queue_out`].
+    fn queue_in(
+        &self,
+        stream: &CudaStream,
+        src: &CudaHostBuffer,
+        ranges: &[HostCopy],
+    ) -> Result<()> {
         let base = src.as_slice();
         for r in ranges.iter().filter(|r| r.len > 0) {
             let _mapped = self.mapped("copy_host_to_device", r.device, r.len)?;
             let from = &base[r.host_offset..r.host_offset + r.len];
-            // SAFETY: as in `copy_out`, with `src` borrowed for the whole
-            // call and the destination in vmm's mappings.
+            // SAFETY: as in `queue_out`, with `src` borrowed by the caller
+            // until it has synchronised the stream, and the destination in
+            // vmm's mappings.
             unsafe { memcpy_htod_async(r.device.0, from, stream.stream) }?;
         }
-        // SAFETY: a `CudaStream` holds a live stream until it is dropped.
-        unsafe { result::stream_synchronize(stream.stream) }
+        Ok(())
     }
+}
+
+/// Batches queued ahead of the one awaited in a pipelined copy out: enough
+/// to keep the copy engine busy while a batch's memory is released.
+const AHEAD: usize = 4;
+
+/// Waits for everything queued on `stream`, also after a failure (so that
+/// no copy still reads or writes a host buffer the caller gets back), and
+/// returns the first error.
+fn finish(stream: &CudaStream, queued: Result<()>) -> Result<()> {
+    // SAFETY: a `CudaStream` holds a live stream until it is dropped.
+    let synced = unsafe { result::stream_synchronize(stream.stream) };
+    queued.and(synced)
 }
 
 // ---- the driver calls only copies through host memory make ----------------

@@ -78,8 +78,9 @@ impl Call {
 /// callers recover from a driver failure at any call site.
 pub struct Faulty<B: Backend> {
     inner: Arc<B>,
-    /// The call to fail and how many more of it to let through first.
-    armed: Mutex<Option<(Call, u64)>>,
+    /// The calls to fail, each with how many more of it to let through
+    /// first.
+    armed: Mutex<Vec<(Call, u64)>>,
 }
 
 impl<B: Backend> Faulty<B> {
@@ -87,40 +88,55 @@ impl<B: Backend> Faulty<B> {
     pub fn new(inner: Arc<B>) -> Arc<Self> {
         Arc::new(Self {
             inner,
-            armed: Mutex::new(None),
+            armed: Mutex::new(Vec::new()),
         })
     }
 
-    /// The `n`-th call of `call` from now (0: the next one) fails, once.
+    /// The `n`-th call of `call` from now (0: the next one) fails, once;
+    /// replaces whatever was armed.
     pub fn fail_nth(&self, call: Call, n: u64) {
-        *self.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((call, n));
+        *self.armed.lock().unwrap_or_else(|p| p.into_inner()) = vec![(call, n)];
     }
 
-    /// Cancels the armed fault; returns whether it had fired.
-    pub fn disarm(&self) -> bool {
+    /// As [`Faulty::fail_nth`], beside what is armed already: for a
+    /// failure during the recovery from another.
+    pub fn also_fail_nth(&self, call: Call, n: u64) {
         self.armed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .is_none()
+            .push((call, n));
+    }
+
+    /// Cancels the armed faults; returns whether they had all fired.
+    pub fn disarm(&self) -> bool {
+        let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
+        let all_fired = armed.is_empty();
+        armed.clear();
+        all_fired
     }
 
     fn enter(&self, call: Call) -> Result<()> {
         let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
-        match &mut *armed {
-            Some((c, 0)) if *c == call => {
-                *armed = None;
-                Err(Error::rejected(
-                    call.name(),
-                    ErrorKind::Other,
-                    "injected fault",
-                ))
+        let mut fire = false;
+        armed.retain_mut(|(c, n)| {
+            if *c != call {
+                return true;
             }
-            Some((c, n)) if *c == call => {
-                *n -= 1;
-                Ok(())
+            if *n == 0 {
+                fire = true;
+                return false;
             }
-            _ => Ok(()),
+            *n -= 1;
+            true
+        });
+        if fire {
+            Err(Error::rejected(
+                call.name(),
+                ErrorKind::Other,
+                "injected fault",
+            ))
+        } else {
+            Ok(())
         }
     }
 }
@@ -151,6 +167,45 @@ impl<B: Backend> Backend for Faulty<B> {
     ) -> Result<()> {
         self.enter(Call::CopyHostToDevice)?;
         self.inner.copy_host_to_device(stream, src, ranges)
+    }
+    /// Each batch counts as a call of [`Call::CopyDeviceToHost`]: a fault
+    /// at batch `i > 0` comes after `done(i - 1)`, as if batch `i`'s copy
+    /// failed.
+    fn copy_device_to_host_pipelined(
+        &self,
+        stream: &B::Stream,
+        batches: &[Vec<HostCopy>],
+        dst: &mut B::HostBuffer,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        if batches.is_empty() {
+            return Ok(());
+        }
+        self.enter(Call::CopyDeviceToHost)?;
+        let n = batches.len();
+        self.inner
+            .copy_device_to_host_pipelined(stream, batches, dst, &mut |i| {
+                done(i)?;
+                if i + 1 < n {
+                    self.enter(Call::CopyDeviceToHost)?;
+                }
+                Ok(())
+            })
+    }
+    /// Each batch counts as a call of [`Call::CopyHostToDevice`], failing
+    /// after its `ready`, before its copies are queued.
+    fn copy_host_to_device_pipelined(
+        &self,
+        stream: &B::Stream,
+        src: &B::HostBuffer,
+        batches: &[Vec<HostCopy>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        self.inner
+            .copy_host_to_device_pipelined(stream, src, batches, &mut |i| {
+                ready(i)?;
+                self.enter(Call::CopyHostToDevice)
+            })
     }
 
     fn name(&self) -> &'static str {
