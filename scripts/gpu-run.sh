@@ -37,8 +37,10 @@
 # (torch.cuda.memory_allocated() and the rest) report vmpool's figures.
 #
 # sleep: examples/sleep_wake.rs, a pool keeping SLEEP_GIB GiB (default
-# 1,10,40) put to sleep and woken, timed beside the page-locked copy
-# bandwidth, every kept byte checked.
+# 1,10,40) put to sleep and woken SLEEP_CYCLES times (default 3: the first
+# pins the host buffer, the others reuse it), each timed beside the
+# page-locked copy bandwidth, every kept byte checked; then two cycles
+# with the buffer pinned ahead (--reserve-host).
 #
 # torch-sleep: scripts/torch_sleep.py, sleep and wake under PyTorch: a
 # model's outputs and a CUDA graph's replay equal across them, the memory
@@ -159,7 +161,8 @@ for job in $jobs; do
         popd >/dev/null || exit 1
         ;;
     sleep)
-        run "sleep and wake" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}"
+        run "sleep and wake" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}" --cycles "${SLEEP_CYCLES:-3}"
+        run "sleep and wake, the host buffer pinned ahead" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}" --cycles 2 --reserve-host
         ;;
     bench)
         run "bench" "$here/bin/vmpool-bench" --backend cuda
