@@ -22,6 +22,7 @@
 //! frees] in docs/DESIGN.md.
 
 mod audit;
+mod batches;
 mod inner;
 mod sleep;
 
