@@ -18,7 +18,7 @@ fn library() -> PathBuf {
 
 /// `scripts/vmpool_torch.py`, and the package it imports.
 const HELPER: &str = include_str!("../../scripts/vmpool_torch.py");
-const PACKAGE: [(&str, &str); 4] = [
+const PACKAGE: [(&str, &str); 5] = [
     (
         "__init__.py",
         include_str!("../../python/vmpool/__init__.py"),
@@ -28,6 +28,7 @@ const PACKAGE: [(&str, &str); 4] = [
         "_version.py",
         include_str!("../../python/vmpool/_version.py"),
     ),
+    ("nccl.py", include_str!("../../python/vmpool/nccl.py")),
     ("torch.py", include_str!("../../python/vmpool/torch.py")),
 ];
 
