@@ -4,11 +4,12 @@ host backend and sums them up: the footprint of the first pass and of the
 last of several passes on one pool, and the estimated driver time.
 
 The set: training, the two reference traces (gpt2_train and resnet_train,
-in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), the eight
+in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), the twelve
 recorded under PyTorch (traces/*_train_torch*.trace.gz) and four variants
 of gpt2_train (scripts/trace_variants.py); generation, the recorded
-generation trace and four variants of it. Each is replayed synchronously
-and stream-ordered: 28 training replays and 10 generation ones.
+generation trace, four variants of it and the serving loop
+(traces/serve_loop_torch.trace.gz). Each is replayed synchronously and
+stream-ordered: 36 training replays and 12 generation ones.
 
     cargo build --release -p vmpool-tools
     scripts/replay_suite.py [--passes 8] [--jobs 2] [-- VMPOOL-REPLAY OPTIONS]
@@ -74,7 +75,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         outdir = args.variants or tmp
         training = shared + recorded + variants(shared[0], outdir)
-        generation = [generate] + variants(generate, outdir)
+        serving = os.path.join(ROOT, "traces", "serve_loop_torch.trace.gz")
+        generation = [generate] + variants(generate, outdir) + [serving]
         jobs = [(t, so) for t in training + generation for so in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
             first = list(ex.map(lambda j: replay(args.replay, j[0], j[1], 1, args.options), jobs))
