@@ -6,7 +6,8 @@ virtual-memory API, here as a Python package around its C library.
 
 `vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
 `empty_cache()`, the memory history (`record_history()`,
-`dump_snapshot()`), `sleep()` / `wake()` (with `reserve_host()` / `release_host()`) and the raw `alloc()` / `free()` work on any backend
+`dump_snapshot()`), `sleep()` / `wake()` (with `reserve_host()` /
+`release_host()`) and the raw `alloc()` / `free()` work on any backend
 (VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
 and refuses one of another version (`LibraryMismatchError`).
 """
