@@ -7,6 +7,24 @@ import subprocess
 import sys
 
 
+class Checks:
+    """The named checks of one process: each prints `ok` or `FAIL` and what
+    it checked; `summary()` prints the count and returns the exit status."""
+
+    def __init__(self):
+        self.failures = []
+
+    def __call__(self, ok, what):
+        print(("ok    " if ok else "FAIL  ") + what, flush=True)
+        if not ok:
+            self.failures.append(what)
+
+    def summary(self):
+        n = len(self.failures)
+        print("all checks passed" if not n else f"{n} checks failed", flush=True)
+        return 1 if n else 0
+
+
 def torch_for(case):
     """The child's side: imports PyTorch, with vmpool as its allocator
     when `case` is "vmpool"; returns the module."""
@@ -32,17 +50,18 @@ def run_case(script, *args, env=None, timeout=None, label=None):
     ran out of time)."""
     label = label or args[-1]
     try:
-        proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         print(f"  {label}: failed to run (no result in {timeout} s)", flush=True)
         return None, None
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
         print(f"  {label}: failed to run (exit {proc.returncode})\n{tail}", flush=True)
         return None, proc
-    return json.loads(lines[-1][len("RESULT "):]), proc
+    return json.loads(lines[-1][len("RESULT ") :]), proc
 
 
 def run_checks(script, child, cases, check):

@@ -37,15 +37,10 @@ sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
 
 import vmpool_torch  # noqa: E402,F401  (the package, from python/ or installed)
+from torch_cases import Checks  # noqa: E402
 
 MIB = 1 << 20
-failures = []
-
-
-def check(ok, what):
-    print(("ok    " if ok else "FAIL  ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+check = Checks()
 
 
 def forward(torch, model_in_pool):
@@ -213,8 +208,7 @@ CASES = {"native": case_native, "installed": case_installed, "native-pool": case
 def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--case":
         CASES[sys.argv[2]](sys.argv[3])
-        print("all checks passed" if not failures else f"{len(failures)} checks failed", flush=True)
-        return 1 if failures else 0
+        return check.summary()
     status = 0
     with tempfile.TemporaryDirectory() as tmp:
         reference = os.path.join(tmp, "reference.pt")

@@ -21,18 +21,14 @@ sys.path.insert(0, str(HERE))
 
 import vmpool.torch as vt  # noqa: E402
 import vmpool_torch  # noqa: E402,F401  (the package, from python/ or installed)
+from torch_cases import Checks  # noqa: E402
 
 
 def main() -> int:
     vt.install()
     import torch
 
-    failures = []
-
-    def check(ok: bool, what: str) -> None:
-        print(("ok    " if ok else "FAIL  ") + what)
-        if not ok:
-            failures.append(what)
+    check = Checks()
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -99,8 +95,7 @@ def main() -> int:
     with torch.no_grad():
         again = model(x)
     check(torch.equal(before_host, again.cpu()), "outputs equal after a level-2 sleep and a reload")
-    print("all checks passed" if not failures else f"{len(failures)} checks failed")
-    return 1 if failures else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,30 @@ def gpt2_model(torch, dev):
     return GPT2LMHeadModel(config).to(dev), config
 
 
+def optimizer_step(opt, loss):
+    """Backward, one optimizer step, gradients dropped: a training step's
+    end. Returns the loss, for the check that allocators agree."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def greedy_checksum(model, ids, mask, new):
+    """Generates exactly `new` tokens greedily after `ids` (prompts ending
+    at the last column) and returns a checksum of them, which stands in
+    for a loss."""
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return float(out[:, ids.shape[1] :].sum().item())
+
+
 def gpt2_train(torch, dev, rng, steps):
     model, config = gpt2_model(torch, dev)
     model.train()
@@ -70,10 +94,7 @@ def gpt2_train(torch, dev, rng, steps):
         batch, seq = shape
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=dev)
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return shapes, step
 
@@ -87,16 +108,7 @@ def gpt2_generate(torch, dev, rng, steps):
         batch, prompt, new = shape
         ids = torch.randint(1, config.vocab_size, (batch, prompt), device=dev)
         with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        # A checksum of the generated tokens stands in for a loss.
-        return float(out[:, prompt:].sum().item())
+            return greedy_checksum(model, ids, torch.ones_like(ids), new)
 
     return shapes, step
 
@@ -114,10 +126,7 @@ def resnet50_train(torch, dev, rng, steps):
         x = torch.randn(batch, 3, size, size, device=dev)
         y = torch.randint(0, 1000, (batch,), device=dev)
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return shapes, step
 
@@ -160,10 +169,7 @@ def gqa_decoder_train(torch, dev, rng, steps):
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=dev)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return shapes, step
 
@@ -187,16 +193,7 @@ def serve_loop(torch, dev, rng, steps):
         mask = torch.arange(width, device=dev)[None, :] >= (width - lengths)[:, None]
         ids = torch.randint(1, config.vocab_size, (len(prompts), width), device=dev).masked_fill(~mask, 0)
         with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask.long(),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        # A checksum of the generated tokens stands in for a loss.
-        return float(out[:, width:].sum().item())
+            return greedy_checksum(model, ids, mask.long(), new)
 
     return shapes, step
 
@@ -221,10 +218,7 @@ def vit_train(torch, dev, rng, steps):
         # gradients in any order, and the losses would drift apart.
         with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return [None] * steps, step
 
@@ -357,10 +351,7 @@ def unet_train(torch, dev, rng, steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pred = model(xt, t)
         loss = torch.nn.functional.mse_loss(pred.float(), noise)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return [None] * steps, step
 
@@ -444,10 +435,7 @@ def moe_train(torch, dev, rng, steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(opt, loss)
 
     return [None] * steps, step
 
