@@ -196,9 +196,7 @@ pub trait Backend: Send + Sync + 'static {
         dst: &mut Self::HostBuffer,
         done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
-        for batch in batches {
-            check_host_ranges("copy_device_to_host", batch, dst.len())?;
-        }
+        check_host_ranges("copy_device_to_host", batches.iter().flatten(), dst.len())?;
         for (i, batch) in batches.iter().enumerate() {
             self.copy_device_to_host(stream, batch, dst)?;
             done(i)?;
@@ -221,9 +219,7 @@ pub trait Backend: Send + Sync + 'static {
         batches: &[Vec<HostCopy>],
         ready: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
-        for batch in batches {
-            check_host_ranges("copy_host_to_device", batch, src.len())?;
-        }
+        check_host_ranges("copy_host_to_device", batches.iter().flatten(), src.len())?;
         for (i, batch) in batches.iter().enumerate() {
             ready(i)?;
             self.copy_host_to_device(stream, src, batch)?;
@@ -233,7 +229,11 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// Checks that every range lies inside a host buffer of `len` bytes.
-pub(crate) fn check_host_ranges(call: &'static str, ranges: &[HostCopy], len: usize) -> Result<()> {
+pub(crate) fn check_host_ranges<'a>(
+    call: &'static str,
+    ranges: impl IntoIterator<Item = &'a HostCopy>,
+    len: usize,
+) -> Result<()> {
     for r in ranges {
         if r.host_offset.checked_add(r.len).is_none_or(|end| end > len) {
             return Err(crate::Error::invalid(

@@ -58,6 +58,19 @@ fn fixture<B: TestBackend>(b: &Arc<B>, granules: usize) -> Fixture<B> {
     }
 }
 
+/// A pipelined copy's callback for batch `i` that fails at batch `stop`.
+fn stop_at(stop: usize, i: usize) -> Result<()> {
+    if i == stop {
+        Err(vmm::Error::Rejected {
+            call: "test",
+            kind: ErrorKind::Other,
+            reason: "stop".into(),
+        })
+    } else {
+        Ok(())
+    }
+}
+
 fn assert_kind<T: std::fmt::Debug>(result: Result<T>, kind: ErrorKind) {
     match result {
         Err(e) => assert_eq!(e.kind(), kind, "wrong kind of error: {e}"),
@@ -617,15 +630,7 @@ pub fn pipelined_copies_through_host_memory<B: TestBackend>(b: &Arc<B>) {
     let mut calls = Vec::new();
     let stopped = b.copy_device_to_host_pipelined(&s, &batches, &mut host, &mut |i| {
         calls.push(i);
-        if i == 1 {
-            Err(vmm::Error::Rejected {
-                call: "test",
-                kind: ErrorKind::Other,
-                reason: "stop".into(),
-            })
-        } else {
-            Ok(())
-        }
+        stop_at(1, i)
     });
     assert_kind(stopped, ErrorKind::Other);
     assert_eq!(calls, vec![0, 1]);
@@ -635,15 +640,7 @@ pub fn pipelined_copies_through_host_memory<B: TestBackend>(b: &Arc<B>) {
     let mut readied = Vec::new();
     let stopped = b.copy_host_to_device_pipelined(&s, &host, &batches, &mut |i| {
         readied.push(i);
-        if i == 2 {
-            Err(vmm::Error::Rejected {
-                call: "test",
-                kind: ErrorKind::Other,
-                reason: "stop".into(),
-            })
-        } else {
-            Ok(())
-        }
+        stop_at(2, i)
     });
     assert_kind(stopped, ErrorKind::Other);
     assert_eq!(readied, vec![0, 1, 2]);

@@ -731,9 +731,7 @@ impl Backend for Cuda {
         dst: &mut CudaHostBuffer,
         done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
-        for batch in batches {
-            check_host_ranges("copy_device_to_host", batch, dst.len())?;
-        }
+        check_host_ranges("copy_device_to_host", batches.iter().flatten(), dst.len())?;
         self.copy_out_pipelined(stream, batches, dst, done)
     }
 
@@ -744,9 +742,7 @@ impl Backend for Cuda {
         batches: &[Vec<HostCopy>],
         ready: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
-        for batch in batches {
-            check_host_ranges("copy_host_to_device", batch, src.len())?;
-        }
+        check_host_ranges("copy_host_to_device", batches.iter().flatten(), src.len())?;
         self.copy_in_pipelined(stream, src, batches, ready)
     }
 }
