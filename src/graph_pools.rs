@@ -33,11 +33,12 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use rustc_hash::FxHashMap;
 use vmm::{Backend, DeviceId};
 
+use crate::sync::lock;
 use crate::{
     Allocation, Context, Defragment, Error, GraphCapture, Pool, PoolAttribute, PoolProps, Stream,
 };
@@ -200,12 +201,7 @@ impl<B: Backend> GraphPools<B> {
     }
 
     fn pools(&self) -> MutexGuard<'_, FxHashMap<GraphPoolId, GraphPool<B>>> {
-        // Every update completes before the lock is released, so a
-        // poisoned lock still guards consistent state.
-        self.state
-            .pools
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state.pools)
     }
 
     /// Opens graph pool `id`, creating it in `context` on first use: until

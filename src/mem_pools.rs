@@ -21,12 +21,13 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, ThreadId};
 
 use rustc_hash::FxHashMap;
 use vmm::{Backend, DeviceId};
 
+use crate::sync::lock;
 use crate::{Allocation, Context, Error, Pool, PoolAttribute, PoolProps, PoolStats, Stream};
 
 /// The id of a memory pool: PyTorch's `MempoolId_t` of a user's pool
@@ -206,12 +207,7 @@ impl<B: Backend> MemPools<B> {
     }
 
     fn pools(&self) -> MutexGuard<'_, FxHashMap<MemPoolId, MemPool<B>>> {
-        // Every update completes before the lock is released, so a
-        // poisoned lock still guards consistent state.
-        self.state
-            .pools
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state.pools)
     }
 
     /// Creates memory pool `id` in `context`, empty, no thread in it.
