@@ -32,6 +32,13 @@ const NONE: u32 = u32::MAX;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockId(u32);
 
+impl BlockId {
+    /// The block of an allocation served from a step layout, which no
+    /// heap holds (Note [Step layouts] in docs/DESIGN.md): a heap given it
+    /// panics.
+    pub(crate) const PLANNED: BlockId = BlockId(NONE);
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     addr: u64,

@@ -15,6 +15,7 @@ mod graph_pools;
 mod growth;
 mod heap;
 pub mod ipc;
+mod layout;
 mod mem_pools;
 mod ordering;
 mod plan;
@@ -22,6 +23,7 @@ mod pool;
 mod props;
 mod space;
 mod stats;
+mod steps;
 mod sync;
 pub mod trace;
 mod va;
@@ -44,4 +46,5 @@ pub use props::{
     DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,
 };
 pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, UnitView};
+pub use steps::StepCounters;
 pub use vmm;

@@ -25,6 +25,7 @@ mod audit;
 mod batches;
 mod inner;
 mod sleep;
+mod stepping;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,6 +48,7 @@ use crate::va::Va;
 use crate::{Error, Result};
 use inner::Inner;
 pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
+use stepping::Stepping;
 
 /// `repr(C)` and aligned to a cache line: what an allocation and a free
 /// read outside the lock comes first and shares one line (Note [Cache-line
@@ -63,6 +65,10 @@ struct Shared<B: Backend> {
     /// Asleep (see [`Pool::sleep`]): read by every free, some of which take
     /// no lock, so on the first line with the rest they read.
     asleep: AtomicBool,
+    /// Steps have been marked: allocations and frees pass through `steps`
+    /// (Note [Step layouts]). Never cleared, since planned allocations
+    /// must come back to it.
+    stepping: AtomicBool,
     backend: Arc<B>,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -73,10 +79,12 @@ struct Shared<B: Backend> {
     /// Left out when a pool of the device asks the others to release unused
     /// memory: a graph pool's unused memory is what its graphs replay into.
     keeps_unused: AtomicBool,
+    steps: Mutex<Stepping<B>>,
 }
 
 // What every call reads outside the lock lies on the first cache line.
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, asleep) < 64);
+const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, stepping) < 64);
 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
@@ -184,6 +192,8 @@ impl<B: Backend> Pool<B> {
             siblings: Arc::downgrade(siblings),
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
+            stepping: AtomicBool::new(false),
+            steps: Mutex::new(Stepping::new(Arc::clone(captures))),
         });
         let mut list = lock(siblings);
         list.retain(WeakPool::is_alive);
@@ -298,6 +308,9 @@ impl<B: Backend> Pool<B> {
     fn release_async(&self, allocation: &Allocation, stream: &Stream<B>) {
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, stream = stream.0.id, "free_async");
         self.record_free(allocation, stream.0.id);
+        if self.0.stepping.load(Ordering::Acquire) && self.free_stepping(allocation, Some(stream)) {
+            return;
+        }
         let pending = |seq| Pending {
             arena: allocation.arena,
             block: allocation.block,
@@ -361,6 +374,21 @@ impl<B: Backend> Pool<B> {
             });
         }
         let rounded = size.next_multiple_of(QUANTUM);
+        if self.0.stepping.load(Ordering::Acquire) {
+            return self.allocate_stepping(size, rounded, stream);
+        }
+        self.allocate_from_heap(size, rounded, stream)
+    }
+
+    /// An allocation from the heap: the stream's own frees, then the
+    /// locked path.
+    #[inline]
+    fn allocate_from_heap(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
         if let Some(s) = stream {
             // The hot path: memory this stream freed, reused in its order,
             // without the pool's lock.
@@ -442,6 +470,9 @@ impl<B: Backend> Pool<B> {
     fn release(&self, allocation: &Allocation) {
         tracing::trace!(pool = self.0.id, ptr = %allocation.ptr, size = allocation.size, "free");
         self.record_free(allocation, 0);
+        if self.0.stepping.load(Ordering::Acquire) && self.free_stepping(allocation, None) {
+            return;
+        }
         self.lock()
             .free(allocation.arena, allocation.block, allocation.block_size);
     }

@@ -1,0 +1,172 @@
+//! Pure planning of a repeated step's layout: given the allocations of a
+//! recorded step, each with its size and lifetime, choose an offset for
+//! each so that no two that are live at once overlap, in as little space
+//! as possible. No driver, no pool state: tested on its own. See Note
+//! [Step layouts] in docs/DESIGN.md.
+//!
+//! The heuristic is greedy by size (Pisarchyk and Lee, "Efficient memory
+//! management for deep neural net inference", 2020): the largest
+//! allocation first, each at the best-fitting gap among those already
+//! placed that it meets in time.
+//!
+//! ```text
+//!   offset ^   [ big, events 0..9 ]
+//!          |   [a: 1..4][  b: 5..8  ]      a and b never meet: they
+//!          +-----------------------> time  share the space above big
+//! ```
+
+use std::cmp::Reverse;
+
+/// One allocation of a recorded step: `size` bytes, live from event
+/// `start` until event `end` (exclusive). Events are the step's
+/// allocations and frees, numbered in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Lifetime {
+    pub(crate) size: u64,
+    pub(crate) start: u32,
+    pub(crate) end: u32,
+}
+
+impl Lifetime {
+    fn meets(&self, other: &Lifetime) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+}
+
+/// Offsets for a step's allocations, in the order given, and the space
+/// they take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub(crate) offsets: Vec<u64>,
+    /// The highest end of any allocation: the space the layout needs.
+    pub(crate) len: u64,
+}
+
+/// How many events a time bucket spans: an allocation is listed in every
+/// bucket its lifetime touches, so that finding those it meets scans a
+/// few buckets, not every allocation placed.
+const BUCKET: u32 = 128;
+
+/// Lays out `lifetimes`; every size must be a multiple of `align`, and so
+/// is every offset.
+///
+/// Allocations of one size go in two orders, the earliest first and the
+/// longest-lived first, and the smaller layout is kept: neither wins on
+/// every recorded workload (docs/RESULTS.md, "Step layouts").
+pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64) -> Layout {
+    let earliest = lay_out_by(lifetimes, align, |l| (Reverse(l.size), l.start));
+    let longest = lay_out_by(lifetimes, align, |l| {
+        (Reverse(l.size), Reverse(l.end - l.start))
+    });
+    if longest.len < earliest.len {
+        longest
+    } else {
+        earliest
+    }
+}
+
+/// Lays out greedily in the order of `key`.
+fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(&Lifetime) -> K) -> Layout {
+    debug_assert!(lifetimes
+        .iter()
+        .all(|l| l.size % align == 0 && l.start < l.end));
+    let mut order: Vec<usize> = (0..lifetimes.len()).collect();
+    order.sort_by_key(|&i| key(&lifetimes[i]));
+    let buckets = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) / BUCKET + 1;
+    let mut placed: Vec<Vec<usize>> = vec![Vec::new(); buckets as usize];
+    let mut offsets = vec![0; lifetimes.len()];
+    // Which allocation last listed another as met: a stamp per allocation
+    // instead of a set cleared each time.
+    let mut seen = vec![usize::MAX; lifetimes.len()];
+    let mut met: Vec<(u64, u64)> = Vec::new();
+    let mut len = 0;
+    for &i in &order {
+        let l = lifetimes[i];
+        met.clear();
+        for bucket in &placed[(l.start / BUCKET) as usize..=((l.end - 1) / BUCKET) as usize] {
+            for &j in bucket {
+                if seen[j] != i && l.meets(&lifetimes[j]) {
+                    seen[j] = i;
+                    met.push((offsets[j], offsets[j] + lifetimes[j].size));
+                }
+            }
+        }
+        offsets[i] = best_gap(&mut met, l.size);
+        len = len.max(offsets[i] + l.size);
+        for bucket in &mut placed[(l.start / BUCKET) as usize..=((l.end - 1) / BUCKET) as usize] {
+            bucket.push(i);
+        }
+    }
+    debug_assert!(offsets.iter().all(|o| o % align == 0));
+    Layout { offsets, len }
+}
+
+/// The start of the smallest gap of at least `size` between the ranges
+/// in `taken` (sorted here), or the end of the highest if none fits.
+fn best_gap(taken: &mut [(u64, u64)], size: u64) -> u64 {
+    taken.sort_unstable();
+    let mut best: Option<(u64, u64)> = None;
+    let mut end = 0;
+    for &(lo, hi) in taken.iter() {
+        if lo >= end + size && best.is_none_or(|(gap, _)| lo - end < gap) {
+            best = Some((lo - end, end));
+        }
+        end = end.max(hi);
+    }
+    best.map_or(end, |(_, at)| at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn life(size: u64, start: u32, end: u32) -> Lifetime {
+        Lifetime { size, start, end }
+    }
+
+    #[test]
+    fn allocations_that_never_meet_share_space() {
+        let layout = lay_out(&[life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)], 4);
+        assert_eq!(layout.offsets, vec![0, 8, 8]);
+        assert_eq!(layout.len, 12);
+    }
+
+    #[test]
+    fn the_smallest_gap_that_fits_is_taken() {
+        // Gaps: 4..6 (2 bytes) and 8..14 (6 bytes), then the end at 16.
+        let taken = [(14, 16), (0, 4), (6, 8)];
+        assert_eq!(best_gap(&mut taken.clone(), 2), 4);
+        assert_eq!(best_gap(&mut taken.clone(), 4), 8);
+        assert_eq!(best_gap(&mut taken.clone(), 7), 16);
+        assert_eq!(best_gap(&mut [], 7), 0);
+    }
+
+    proptest! {
+        #[test]
+        fn live_allocations_never_overlap(
+            spans in prop::collection::vec((1u64..64, 0u32..400, 1u32..300), 1..120)
+        ) {
+            let lifetimes: Vec<Lifetime> = spans
+                .iter()
+                .map(|&(size, start, span)| life(size * 8, start, start + span))
+                .collect();
+            let layout = lay_out(&lifetimes, 8);
+            let mut peak_live = 0;
+            for t in 0..700 {
+                let live: u64 = lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum();
+                peak_live = peak_live.max(live);
+            }
+            prop_assert!(layout.len >= peak_live);
+            for (i, a) in lifetimes.iter().enumerate() {
+                prop_assert_eq!(layout.offsets[i] % 8, 0);
+                prop_assert!(layout.offsets[i] + a.size <= layout.len);
+                for (j, b) in lifetimes.iter().enumerate().skip(i + 1) {
+                    let apart = layout.offsets[i] + a.size <= layout.offsets[j]
+                        || layout.offsets[j] + b.size <= layout.offsets[i];
+                    prop_assert!(!a.meets(b) || apart, "{i} and {j} overlap");
+                }
+            }
+        }
+    }
+}

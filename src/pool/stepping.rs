@@ -1,0 +1,169 @@
+//! A pool's step layouts (Note [Step layouts] in docs/DESIGN.md): once the
+//! program marks its steps, allocations and frees pass through
+//! [`Steps`], which serves the allocations of a repeating step from a
+//! region laid out for them, so that the step takes no heap block, grows
+//! nothing and remaps nothing.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vmm::Backend;
+
+use crate::allocation::Allocation;
+use crate::capture::Captures;
+use crate::heap::QUANTUM;
+use crate::ordering::{Pending, Stream, StreamShared};
+use crate::steps::{Placement, StepCounters, Steps};
+use crate::sync::lock;
+use crate::Result;
+
+use super::Pool;
+
+/// The layouts and the stream they serve.
+pub(super) struct Stepping<B: Backend> {
+    steps: Steps<Allocation>,
+    /// The layout's stream, once an allocation has fixed it (`None` also
+    /// for synchronous calls): regions are allocated and freed on it.
+    stream: Option<Stream<B>>,
+    captures: Arc<Captures>,
+}
+
+impl<B: Backend> Stepping<B> {
+    pub(super) fn new(captures: Arc<Captures>) -> Self {
+        Self {
+            steps: Steps::new(QUANTUM),
+            stream: None,
+            captures,
+        }
+    }
+}
+
+impl<B: Backend> Pool<B> {
+    /// Marks the end of a step of a program that repeats its work (a
+    /// training step, a serving iteration). Once two steps in a row make
+    /// the same allocations and frees in the same order on one stream
+    /// (sizes may differ), the pool lays them out in one region, and from
+    /// then on serves them there: no driver call and no heap search for
+    /// them, however long the program runs. A step that does not fit the
+    /// layout is served by the heap as before; when it repeats, the layout
+    /// is made again, each allocation's slot as large as the largest it
+    /// has asked for. Without marks, nothing changes. See Note [Step
+    /// layouts] in docs/DESIGN.md.
+    ///
+    /// Fails if the pool sleeps, or if a new layout's region cannot be
+    /// allocated (the steps then go on without one).
+    pub fn mark_step(&self) -> Result<()> {
+        self.awake()?;
+        self.0.stepping.store(true, Ordering::Release);
+        let (marked, stream) = {
+            let mut st = lock(&self.0.steps);
+            (st.steps.mark(), st.stream.clone())
+        };
+        // Drained regions go first, so that a new one can take their place.
+        for region in marked.retired {
+            match &stream {
+                Some(s) => self.release_async(&region, s),
+                None => self.release(&region),
+            }
+        }
+        let Some(len) = marked.wants else {
+            return Ok(());
+        };
+        let rounded = len.next_multiple_of(QUANTUM);
+        match self.allocate_from_heap(len, rounded, stream.as_ref().map(|s| &s.0)) {
+            Ok(region) => {
+                let base = region.ptr.0;
+                lock(&self.0.steps).steps.install(base, region);
+                tracing::debug!(
+                    pool = self.0.id,
+                    base = format_args!("{base:#x}"),
+                    len,
+                    "step layout installed"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.0.steps).steps.abandon();
+                Err(e)
+            }
+        }
+    }
+
+    /// What the step layouts have done.
+    pub fn step_counters(&self) -> StepCounters {
+        lock(&self.0.steps).steps.counters()
+    }
+
+    /// An allocation once steps are marked: its slot in the layout, or the
+    /// heap.
+    pub(super) fn allocate_stepping(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
+        let id = stream.map(|s| s.id);
+        let placement = {
+            let mut st = lock(&self.0.steps);
+            let capturing = st.captures.under_way();
+            let placement = st.steps.place(id, rounded, capturing);
+            if st.stream.is_none() && placement != Placement::Heap(None) {
+                st.stream = stream.map(|s| Stream(Arc::clone(s)));
+            }
+            placement
+        };
+        match placement {
+            Placement::Planned(ptr) => {
+                let p = Pending {
+                    arena: crate::arena::ArenaId::Large,
+                    block: crate::heap::BlockId::PLANNED,
+                    ptr,
+                    size: rounded,
+                    seq: 0,
+                };
+                Ok(self.hand_out(size, p, id.unwrap_or(0)))
+            }
+            Placement::Heap(ordinal) => {
+                let allocation = self.allocate_from_heap(size, rounded, stream)?;
+                if let Some(o) = ordinal {
+                    lock(&self.0.steps).steps.went_to_heap(o, allocation.ptr.0);
+                }
+                Ok(allocation)
+            }
+        }
+    }
+
+    /// A free once steps are marked; `stream`: the freeing stream (`None`:
+    /// a synchronous free). Returns whether the allocation was planned, and
+    /// so is free now. A planned allocation freed on a stream other than
+    /// the layout's waits for that stream first: the layout's stream takes
+    /// the slot again without an event to order it after the free.
+    pub(super) fn free_stepping(
+        &self,
+        allocation: &Allocation,
+        stream: Option<&Stream<B>>,
+    ) -> bool {
+        let mut st = lock(&self.0.steps);
+        let ptr = allocation.ptr.0;
+        let layout_stream = st.stream.as_ref().map(|s| s.0.id);
+        if let Some(s) = stream.filter(|s| Some(s.0.id) != layout_stream) {
+            if st.steps.is_planned(ptr) {
+                // While a graph is captured nothing may be waited for. A
+                // slot not waited for stays taken: safe, at the cost of
+                // the slot.
+                let waited = !st.captures.under_way()
+                    && match self.0.backend.synchronize_stream(&s.0.raw) {
+                        Ok(()) => true,
+                        Err(err) => {
+                            tracing::warn!(%err, "a planned allocation freed on another stream stays taken");
+                            false
+                        }
+                    };
+                if !waited {
+                    return true;
+                }
+            }
+        }
+        st.steps.free(ptr)
+    }
+}

@@ -1,0 +1,318 @@
+//! Step layouts (`Pool::mark_step`, Note [Step layouts] in docs/DESIGN.md):
+//! a pool whose program marks its steps serves a repeating step from a
+//! laid-out region, with no driver call, and every byte stays where it
+//! was written. On every backend (the host always, CUDA with `--features
+//! gpu-tests`), then a host-only model test.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
+use vmpool::{Allocation, Context, Error, Pool, PoolProps, SleepLevel, Stream};
+
+#[allow(dead_code)]
+mod common;
+
+const DEV: DeviceId = DeviceId(0);
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
+    ctx.create_pool(&PoolProps {
+        va_size: Some(4 << 30),
+        ..PoolProps::new(DEV)
+    })
+    .unwrap()
+}
+
+/// Fills the first and last word of `a` with `word`: enough to catch two
+/// live allocations that overlap, quick on every backend.
+fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    b.fill_u32(s.raw(), a.ptr(), 1, word).unwrap();
+    let last = vmpool::vmm::DevicePtr(a.ptr().0 + a.size() / 4 * 4 - 4);
+    b.fill_u32(s.raw(), last, 1, word).unwrap();
+}
+
+fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    for at in [a.ptr().0, a.ptr().0 + a.size() / 4 * 4 - 4] {
+        let mut bytes = [0u8; 4];
+        b.copy_to_host(s.raw(), vmpool::vmm::DevicePtr(at), &mut bytes)
+            .unwrap();
+        assert_eq!(
+            u32::from_ne_bytes(bytes),
+            word,
+            "the bytes at {at:#x} changed"
+        );
+    }
+}
+
+/// One training-like step at scale `k`: activations made in a forward
+/// pass and freed in reverse, a workspace freed at once, gradients made
+/// in the backward pass and freed at its end. Every allocation is checked
+/// before its free.
+fn step<B: TestBackend>(b: &B, pool: &Pool<B>, s: &Stream<B>, k: u64) {
+    if let Some((a, word)) = step_holding(b, pool, s, k, false) {
+        check_ends(b, s, &a, word);
+        pool.free_async(a, s).unwrap();
+    }
+}
+
+/// [`step`]; with `hold`, the first workspace is not freed but returned,
+/// filled with the word returned: a step that keeps what its layout
+/// expects to be freed.
+fn step_holding<B: TestBackend>(
+    b: &B,
+    pool: &Pool<B>,
+    s: &Stream<B>,
+    k: u64,
+    hold: bool,
+) -> Option<(Allocation, u32)> {
+    let mut held = None;
+    let mut live: Vec<(Allocation, u32)> = Vec::new();
+    for layer in 0..8u32 {
+        let a = pool
+            .allocate_async(k * (MIB + 64 * KIB * u64::from(layer)), s)
+            .unwrap();
+        mark_ends(b, s, &a, layer);
+        live.push((a, layer));
+        let workspace = pool.allocate_async(3 * MIB + 512, s).unwrap();
+        let word = 0xAA00 + layer;
+        mark_ends(b, s, &workspace, word);
+        if hold && held.is_none() {
+            held = Some((workspace, word));
+        } else {
+            check_ends(b, s, &workspace, word);
+            pool.free_async(workspace, s).unwrap();
+        }
+        let small = pool
+            .allocate_async(4 * KIB * u64::from(layer + 1), s)
+            .unwrap();
+        mark_ends(b, s, &small, 0x5A00 + layer);
+        live.push((small, 0x5A00 + layer));
+    }
+    let mut grads = Vec::new();
+    while let Some((a, word)) = live.pop() {
+        let g = pool.allocate_async(a.size() / 2 + 256, s).unwrap();
+        mark_ends(b, s, &g, !word);
+        grads.push((g, !word));
+        check_ends(b, s, &a, word);
+        pool.free_async(a, s).unwrap();
+    }
+    for (g, word) in grads {
+        check_ends(b, s, &g, word);
+        pool.free_async(g, s).unwrap();
+    }
+    held
+}
+
+pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    step(b.as_ref(), &pool, &s, 1);
+    pool.mark_step().unwrap();
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 1);
+    assert!(counters.region_bytes > 0);
+    let maps = pool.stats().maps;
+    for _ in 0..5 {
+        step(b.as_ref(), &pool, &s, 1);
+        pool.mark_step().unwrap();
+    }
+    let after = pool.step_counters();
+    assert_eq!(pool.stats().maps, maps, "a laid-out step mapped chunks");
+    assert_eq!(after.missed, 0);
+    assert_eq!(after.planned, 5 * 40);
+    assert_eq!(after.layouts, 1);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for k in [1, 2, 1, 3, 2, 1] {
+        step(b.as_ref(), &pool, &s, k);
+        pool.mark_step().unwrap();
+    }
+    let (maps, layouts) = (pool.stats().maps, pool.step_counters().layouts);
+    for k in [2, 1, 3, 3, 1, 2] {
+        step(b.as_ref(), &pool, &s, k);
+        pool.mark_step().unwrap();
+    }
+    assert_eq!(
+        pool.stats().maps,
+        maps,
+        "steps no larger than seen mapped chunks"
+    );
+    assert_eq!(pool.step_counters().layouts, layouts);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    let other = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    let mut kept: Vec<(Allocation, u32)> = Vec::new();
+    for i in 0..6u32 {
+        // In step 3, a planned workspace lives on: its slot stays taken
+        // while steps 4 and 5 want it.
+        kept.extend(step_holding(b.as_ref(), &pool, &s, 1, i == 3));
+        // Made like the step's own allocations, but kept past the mark.
+        let a = pool.allocate_async(2 * MIB, &s).unwrap();
+        mark_ends(b.as_ref(), &s, &a, 0x1000 + i);
+        kept.push((a, 0x1000 + i));
+        // A planned allocation freed on another stream, once laid out.
+        let c = pool.allocate_async(MIB, &s).unwrap();
+        ctx.synchronize_stream(&s).unwrap();
+        pool.free_async(c, &other).unwrap();
+        pool.mark_step().unwrap();
+    }
+    for (a, word) in kept {
+        check_ends(b.as_ref(), &s, &a, word);
+        pool.free_async(a, &s).unwrap();
+    }
+    let counters = pool.step_counters();
+    assert!(counters.planned > 0);
+    assert!(counters.missed >= 2, "the held slot was handed out again");
+    ctx.synchronize_stream(&s).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn steps_that_never_repeat_give_their_region_back<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for n in 1..8u64 {
+        // A different number of allocations each step.
+        let live: Vec<Allocation> = (0..n)
+            .map(|i| pool.allocate_async((i + n) * MIB, &s).unwrap())
+            .collect();
+        for a in live {
+            pool.free_async(a, &s).unwrap();
+        }
+        pool.mark_step().unwrap();
+    }
+    // The first step was laid out speculatively; the second did not fit it,
+    // so it went, and nothing repeated since.
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 1);
+    assert_eq!(counters.region_bytes, 0);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.sleep(SleepLevel::DiscardAll, &s).unwrap();
+    assert!(matches!(pool.mark_step(), Err(Error::Asleep)));
+    pool.wake(&s).unwrap();
+    pool.mark_step().unwrap();
+}
+
+suites!(
+    a_repeated_step_maps_nothing,
+    steps_of_changing_sizes_settle_at_the_largest,
+    what_outlives_its_step_stays_intact,
+    steps_that_never_repeat_give_their_region_back,
+    marking_a_sleeping_pool_is_refused,
+);
+
+/// One step of the model test: which template, at what scale, and what
+/// goes differently.
+#[derive(Debug, Clone)]
+struct ModelStep {
+    template: usize,
+    scale: u64,
+    /// The n-th allocation lives on past the step.
+    hold: Option<usize>,
+    /// The n-th allocation is not made.
+    skip: Option<usize>,
+}
+
+fn model_step() -> impl Strategy<Value = ModelStep> {
+    (
+        0..3usize,
+        1..4u64,
+        prop::option::weighted(0.2, 0..12usize),
+        prop::option::weighted(0.2, 0..12usize),
+    )
+        .prop_map(|(template, scale, hold, skip)| ModelStep {
+            template,
+            scale,
+            hold,
+            skip,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Steps drawn from three templates, at random scales, some holding an
+    /// allocation past their end or leaving one out: no allocation ever
+    /// overlaps a live one, and the pool's tables stay consistent.
+    #[test]
+    fn model(steps in prop::collection::vec(model_step(), 4..16)) {
+        let ctx = Context::new(common::host()).unwrap();
+        let pool = pool(&ctx);
+        let s = ctx.create_stream(DEV).unwrap();
+        let templates: [&[u64]; 3] = [
+            &[MIB, 3 * MIB, 256, 2 * MIB + 256, 64 * KIB, 5 * MIB, 700, MIB, 3 * MIB, 12 * KIB, 2 * MIB, 9 * MIB],
+            &[4 * MIB, 4 * MIB, 1024, 4 * MIB, 300 * KIB, 8 * MIB, 4 * MIB, 512, MIB, MIB, 2 * MIB, 6 * MIB],
+            &[256, 512, 768, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144],
+        ];
+        let mut live: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+        let mut held: Vec<Allocation> = Vec::new();
+        pool.mark_step().unwrap();
+        for st in &steps {
+            let mut made: Vec<(usize, Allocation)> = Vec::new();
+            for (i, &size) in templates[st.template].iter().enumerate() {
+                if st.skip == Some(i) {
+                    continue;
+                }
+                let a = pool.allocate_async(size * st.scale, &s).unwrap();
+                let (at, end) = (a.ptr().0, a.ptr().0 + a.size());
+                let before = live.range(..=at).next_back();
+                prop_assert!(before.is_none_or(|(_, &e)| e <= at), "{at:#x} overlaps a live allocation");
+                prop_assert!(live.range(at..end).next().is_none(), "{at:#x} overlaps a live allocation");
+                live.insert(at, end);
+                made.push((i, a));
+                // Every third allocation frees the one before it.
+                if i % 3 == 2 {
+                    let (j, a) = made.remove(made.len() - 2);
+                    if st.hold == Some(j) {
+                        held.push(a);
+                    } else {
+                        live.remove(&a.ptr().0);
+                        pool.free_async(a, &s).unwrap();
+                    }
+                }
+            }
+            for (j, a) in made.into_iter().rev() {
+                if st.hold == Some(j) {
+                    held.push(a);
+                } else {
+                    live.remove(&a.ptr().0);
+                    pool.free_async(a, &s).unwrap();
+                }
+            }
+            pool.mark_step().unwrap();
+        }
+        for a in held {
+            pool.free_async(a, &s).unwrap();
+        }
+        ctx.synchronize_stream(&s).unwrap();
+        pool.audit().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+}
