@@ -9,6 +9,9 @@
 //!   cuMemFree.
 //! - cross-stream pair: allocate on stream A, free on stream B, so every
 //!   allocation reuses memory another stream freed.
+//! - pair in a laid-out step: the same pair, a step marked every 100
+//!   pairs (`Pool::mark_step`), so that the pool serves it from a step
+//!   layout (the mark's own cost included).
 //! - threads: 8 threads, each with its own stream, doing pairs on one pool;
 //!   throughput against one thread.
 //!
@@ -31,6 +34,8 @@ use vmpool_tools::BackendKind;
 const DEV: DeviceId = DeviceId(0);
 const SIZES: [u64; 3] = [256, 1 << 20, 64 << 20];
 const BATCHES: usize = 31;
+/// Pairs per marked step in the laid-out pair.
+const STEP_PAIRS: u64 = 100;
 
 #[derive(Parser)]
 #[command(
@@ -69,6 +74,7 @@ struct Figures {
     cuda_async_pair_ns: BTreeMap<u64, f64>,
     cuda_malloc_pair_ns: BTreeMap<u64, f64>,
     cross_stream_pair_ns: f64,
+    stepped_pair_ns: f64,
     /// Pairs per second, by thread count.
     pairs_per_s: BTreeMap<usize, f64>,
 }
@@ -92,6 +98,23 @@ fn bench_vmpool<B: Backend>(backend: Arc<B>, figures: &mut Figures) -> Result<()
         pool.free_async(a, &other)?;
         Ok(())
     })?;
+    let stepped = ctx.create_pool(&PoolProps::new(DEV))?;
+    stepped.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
+    stepped.mark_step()?;
+    let mut pairs = 0;
+    figures.stepped_pair_ns = median_ns(10_000, || {
+        let a = stepped.allocate_async(black_box(1 << 20), &s)?;
+        stepped.free_async(a, &s)?;
+        pairs += 1;
+        if pairs % STEP_PAIRS == 0 {
+            stepped.mark_step()?;
+        }
+        Ok(())
+    })?;
+    anyhow::ensure!(
+        stepped.step_counters().planned > 0,
+        "the marked steps were not laid out"
+    );
     ctx.synchronize_device(DEV)?;
     for threads in [1, 2, 8] {
         let per_thread = 200_000;
@@ -186,6 +209,7 @@ fn bench_main(args: &Args) -> Result<()> {
                 "cuda_async_pair_ns": keyed(&figures.cuda_async_pair_ns),
                 "cuda_malloc_pair_ns": keyed(&figures.cuda_malloc_pair_ns),
                 "cross_stream_pair_ns": figures.cross_stream_pair_ns,
+                "stepped_pair_ns": figures.stepped_pair_ns,
                 "pairs_per_s": figures.pairs_per_s.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect::<serde_json::Map<_, _>>(),
             })
         );
@@ -209,6 +233,10 @@ fn bench_main(args: &Args) -> Result<()> {
     println!(
         "cross-stream pair (alloc on A, free on B), 1 MiB: {:.0} ns",
         figures.cross_stream_pair_ns
+    );
+    println!(
+        "pair in a laid-out step (a step marked every {STEP_PAIRS} pairs), 1 MiB: {:.0} ns",
+        figures.stepped_pair_ns
     );
     let one = figures.pairs_per_s[&1];
     let eight = figures.pairs_per_s[&8];

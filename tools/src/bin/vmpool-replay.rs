@@ -3,7 +3,7 @@
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
 //!                   [--defragment off|units|whole-regions]
-//!                   [--passes N] [--json] TRACE
+//!                   [--passes N] [--mark-passes] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -16,7 +16,9 @@
 //! `--passes N` replays the trace N times on the same allocator, freeing
 //! what is still live at the end of each pass, as a long-running program
 //! repeats its work: it shows whether the footprint stays where the first
-//! pass left it.
+//! pass left it. `--mark-passes` marks a step as each pass begins
+//! (`Pool::mark_step`), as a program that marks its steps would: from the
+//! third pass on, the pool serves the trace from a step layout.
 
 use std::fs::File;
 use std::io::IsTerminal;
@@ -121,6 +123,10 @@ struct Args {
     /// what is still live at the end of each pass.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     passes: u32,
+    /// vmpool only: mark a step as each pass begins (`Pool::mark_step`), so
+    /// that the pool lays out the repeated pass (Note [Step layouts]).
+    #[arg(long)]
+    mark_passes: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -134,6 +140,8 @@ struct Report {
     peak_reserved: u64,
     /// Peak reserved bytes as each pass ended.
     pass_peaks: Vec<u64>,
+    /// Chunks mapped in each pass (vmpool only).
+    pass_maps: Vec<u64>,
     ops: u64,
     nanos: u128,
     remaps: u64,
@@ -190,15 +198,37 @@ trait Replayed {
     }
     /// Peak reserved bytes so far.
     fn reserved_high(&mut self) -> Result<u64>;
+    /// Chunks mapped so far, where the allocator says.
+    fn maps(&mut self) -> u64 {
+        0
+    }
+    /// Before each pass.
+    fn begin_pass(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a replay measured, pass by pass.
+struct Passes {
+    nanos: u128,
+    /// Peak reserved bytes as each pass ended.
+    peaks: Vec<u64>,
+    /// Chunks mapped during each pass.
+    maps: Vec<u64>,
 }
 
 /// Replays `trace` `passes` times on `a`, freeing what is left live after
-/// each pass: the nanoseconds spent in its calls (sampling left out) and
-/// its peak reserved bytes after each pass.
-fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<(u128, Vec<u64>)> {
+/// each pass.
+fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<Passes> {
     let bar = progress(trace.ops.len() * passes);
-    let (mut nanos, mut pass_peaks) = (0, Vec::with_capacity(passes));
+    let mut measured = Passes {
+        nanos: 0,
+        peaks: Vec::with_capacity(passes),
+        maps: Vec::with_capacity(passes),
+    };
     for pass in 0..passes {
+        a.begin_pass()?;
+        let maps_before = a.maps();
         let mut live: Vec<Option<A::Allocation>> = Vec::with_capacity(trace.slots);
         live.resize_with(trace.slots, || None);
         let mut sampling = Duration::ZERO;
@@ -222,15 +252,16 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<(u128,
                 bar.set_position((pass * trace.ops.len() + i) as u64);
             }
         }
-        nanos += (start.elapsed() - sampling).as_nanos();
+        measured.nanos += (start.elapsed() - sampling).as_nanos();
         a.check()?;
         for x in live.into_iter().flatten() {
             a.free(x)?;
         }
-        pass_peaks.push(a.reserved_high()?);
+        measured.peaks.push(a.reserved_high()?);
+        measured.maps.push(a.maps() - maps_before);
     }
     bar.finish_and_clear();
-    Ok((nanos, pass_peaks))
+    Ok(measured)
 }
 
 /// A vmpool pool, synchronous or stream-ordered on one stream.
@@ -238,6 +269,7 @@ struct VmpoolReplay<B: Backend> {
     pool: vmpool::Pool<B>,
     /// `Some`: stream-ordered on this stream.
     stream: Option<vmpool::Stream<B>>,
+    mark_passes: bool,
 }
 
 impl<B: Backend> Replayed for VmpoolReplay<B> {
@@ -261,6 +293,15 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
     fn reserved_high(&mut self) -> Result<u64> {
         Ok(self.pool.attribute(PoolAttribute::ReservedMemHigh))
     }
+    fn maps(&mut self) -> u64 {
+        self.pool.stats().maps
+    }
+    fn begin_pass(&mut self) -> Result<()> {
+        if self.mark_passes {
+            self.pool.mark_step()?;
+        }
+        Ok(())
+    }
 }
 
 /// Replays on a vmpool pool of the given backend.
@@ -270,6 +311,7 @@ fn replay_vmpool<B: Backend>(
     props: &PoolProps,
     stream_ordered: bool,
     passes: usize,
+    mark_passes: bool,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(props)?;
@@ -278,16 +320,18 @@ fn replay_vmpool<B: Backend>(
     let mut replayed = VmpoolReplay {
         pool,
         stream: stream_ordered.then(|| stream.clone()),
+        mark_passes,
     };
-    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes)?;
     let pool = replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
     Ok(Report {
         peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
-        pass_peaks,
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
         ops: (trace.ops.len() * passes) as u64,
-        nanos,
+        nanos: measured.nanos,
         remaps: stats.remaps,
         bytes_remapped: stats.bytes_remapped,
         chunks_created: stats.chunks_created,
@@ -324,13 +368,14 @@ fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) 
         pool: vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?,
         stream: cuda.create_stream(DeviceId(0))?,
     };
-    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes)?;
     cuda.synchronize_stream(&replayed.stream)?;
     Ok(Report {
         peak_reserved: replayed.pool.reserved_high()?,
-        pass_peaks,
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
         ops: (trace.ops.len() * passes) as u64,
-        nanos,
+        nanos: measured.nanos,
         ..Report::default()
     })
 }
@@ -379,12 +424,13 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize)
     };
     replayed.baseline = replayed.used()?;
     replayed.peak = replayed.baseline;
-    let (nanos, pass_peaks) = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes)?;
     Ok(Report {
         peak_reserved: replayed.reserved_high()?,
-        pass_peaks,
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
         ops: (trace.ops.len() * passes) as u64,
-        nanos,
+        nanos: measured.nanos,
         ..Report::default()
     })
 }
@@ -411,6 +457,9 @@ fn replay_main(args: &Args) -> Result<()> {
     }
     if args.defragment != DefragmentArg::Units && args.allocator != AllocatorKind::Vmpool {
         bail!("--defragment is for vmpool");
+    }
+    if args.mark_passes && args.allocator != AllocatorKind::Vmpool {
+        bail!("--mark-passes is for vmpool");
     }
     let passes = args.passes as usize;
     let props = PoolProps {
@@ -440,11 +489,17 @@ fn replay_main(args: &Args) -> Result<()> {
                 &props,
                 args.stream_ordered,
                 passes,
+                args.mark_passes,
             )?
         }
-        (Some(cuda), AllocatorKind::Vmpool) => {
-            replay_vmpool(cuda, &trace, &props, args.stream_ordered, passes)?
-        }
+        (Some(cuda), AllocatorKind::Vmpool) => replay_vmpool(
+            cuda,
+            &trace,
+            &props,
+            args.stream_ordered,
+            passes,
+            args.mark_passes,
+        )?,
         (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, passes)?,
         (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, passes)?,
         (None, _) => bail!("the CUDA allocators need a GPU, and none could be opened"),
@@ -482,6 +537,7 @@ fn replay_main(args: &Args) -> Result<()> {
                 "ratio": ratio,
                 "passes": passes,
                 "pass_ratios": pass_ratios,
+                "pass_maps": report.pass_maps,
                 "ops": report.ops,
                 "ns_per_op": ns_per_op,
                 "remaps": report.remaps,
@@ -504,6 +560,10 @@ fn replay_main(args: &Args) -> Result<()> {
         if passes > 1 {
             let each: Vec<String> = pass_ratios.iter().map(|r| format!("{r:.4}")).collect();
             println!("after each pass {:>14}", each.join(" "));
+            if report.pass_maps.iter().any(|&m| m > 0) {
+                let each: Vec<String> = report.pass_maps.iter().map(u64::to_string).collect();
+                println!("maps each pass  {:>14}", each.join(" "));
+            }
         }
         println!("ops             {:>14}", report.ops);
         println!("ns per op       {ns_per_op:>14.1}");
