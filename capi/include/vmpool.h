@@ -169,6 +169,11 @@ void vmpool_set_memory_fraction(double fraction, int device);
 /* Sets the high-water marks to the current values. 0 / -1. */
 int vmpool_reset_peaks(int device);
 
+/* Marks the end of a step of a program that repeats its work, on device's
+ * pool: once steps repeat, the pool serves them from a layout without
+ * driver calls (docs/DESIGN.md, Note [Step layouts]). 0 / -1. */
+int vmpool_mark_step(int device);
+
 typedef struct {
     uint64_t valid; /* 0: the call failed (logged) */
     uint64_t reserved_bytes, reserved_high; /* physical memory held, most held */
@@ -189,6 +194,9 @@ typedef struct {
     uint64_t events_recorded, waits_inserted; /* events recorded to learn when frees complete; waits to reuse another stream's */
     uint64_t mem_pools, mem_pool_reserved_bytes, mem_pool_used_bytes; /* memory pools, their memory and live bytes */
     uint64_t host_bytes;              /* page-locked host memory held for sleeping (vmpool_reserve_host) */
+    uint64_t steps, step_layouts;     /* steps marked (vmpool_mark_step), layouts made of them */
+    uint64_t planned, missed;         /* allocations served from a layout's slot; those that missed theirs */
+    uint64_t step_region_bytes;       /* the layouts' regions (in reserved_bytes) */
 } vmpool_stats_t;
 
 /* The device's figures; all 0 (with valid = 1) before its first allocation. */

@@ -421,6 +421,20 @@ pub extern "C" fn vmpool_set_memory_fraction(fraction: f64, device: c_int) {
     );
 }
 
+/// Marks the end of a step of a program that repeats its work (a training
+/// step, a serving iteration) on `device`'s pool: once steps repeat, the
+/// pool serves them from a layout, without driver calls (Note [Step
+/// layouts] in docs/DESIGN.md; `vmpool.torch.mark_steps` calls it after
+/// each optimizer step). 0, or -1 on failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_mark_step(device: c_int) -> c_int {
+    call(
+        "mark_step",
+        -1,
+        |g| with_shim!(g, s => s.mark_step(i64::from(device)).map(|()| 0)),
+    )
+}
+
 /// Resets the reserved and used high-water marks to their current values.
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_reset_peaks(device: c_int) -> c_int {
@@ -492,6 +506,14 @@ pub struct VmpoolStats {
     /// Page-locked host memory the pool holds for sleeping: the kept bytes
     /// while asleep, the buffer the next sleep reuses while awake.
     pub host_bytes: u64,
+    /// Steps marked ([`vmpool_mark_step`]), layouts made, allocations
+    /// served from a layout's slot and those that wanted one and missed,
+    /// and the bytes of the layouts' regions (in `reserved_bytes`).
+    pub steps: u64,
+    pub step_layouts: u64,
+    pub planned: u64,
+    pub missed: u64,
+    pub step_region_bytes: u64,
 }
 
 impl From<Figures> for VmpoolStats {
@@ -531,6 +553,11 @@ impl From<Figures> for VmpoolStats {
             mem_pool_reserved_bytes: f.mem_pool_reserved_bytes,
             mem_pool_used_bytes: f.mem_pool_used_bytes,
             host_bytes: s.host_bytes,
+            steps: f.steps.steps,
+            step_layouts: f.steps.layouts,
+            planned: f.steps.planned,
+            missed: f.steps.missed,
+            step_region_bytes: f.steps.region_bytes,
         }
     }
 }
@@ -664,7 +691,7 @@ pub const VERSION: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
 /// struct's fields or a function's signature change, so that a caller
 /// built for another layout can refuse the library instead of misreading
 /// it.
-pub const ABI: u32 = 2;
+pub const ABI: u32 = 3;
 
 /// [`VERSION`], a static C string; loads nothing (the library need not
 /// start for a caller to check it).

@@ -134,6 +134,8 @@ pub struct Figures {
     pub mem_pools: u64,
     pub mem_pool_reserved_bytes: u64,
     pub mem_pool_used_bytes: u64,
+    /// What the pool's step layouts have done.
+    pub steps: vmpool::StepCounters,
 }
 
 /// The properties of `device`'s pools, the device's own and its graph
@@ -628,6 +630,16 @@ impl<B: Backend> Shim<B> {
         Ok(())
     }
 
+    /// Marks the end of a step on `device`'s pool (`Pool::mark_step`); a
+    /// device with no pool yet has nothing to lay out.
+    pub fn mark_step(&self, device: i64) -> Result<(), CallError> {
+        let dev = self.device(device)?;
+        match dev.pool.get() {
+            Some(pool) => Ok(pool.mark_step()?),
+            None => Ok(()),
+        }
+    }
+
     /// The device's figures; all zero before its first allocation.
     pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
         let dev = self.device(device)?;
@@ -651,6 +663,7 @@ impl<B: Backend> Shim<B> {
                 reserved_high: pool.attribute(PoolAttribute::ReservedMemHigh),
                 used_high: pool.attribute(PoolAttribute::UsedMemHigh),
                 stats: pool.stats(),
+                steps: pool.step_counters(),
                 ..calls
             },
             None => calls,

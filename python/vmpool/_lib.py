@@ -25,7 +25,7 @@ from ._version import __version__
 
 #: The layout of what crosses the C interface by value (`vmpool_abi()`):
 #: the library's must be this one.
-ABI = 2
+ABI = 3
 LIBRARY_NAME = "libvmpool_c.so"
 _HERE = Path(__file__).resolve().parent
 
@@ -93,6 +93,16 @@ class Stats:
     """Page-locked host memory the pool holds for sleeping: the kept bytes
     while asleep, the buffer the next `sleep()` reuses while awake
     (`reserve_host()`, `release_host()`)."""
+    steps: int
+    """Steps marked (`mark_step()`)."""
+    step_layouts: int
+    """Layouts made of repeating steps."""
+    planned: int
+    """Allocations served from a step layout's slot, without the heap."""
+    missed: int
+    """Allocations that wanted their slot and went to the heap."""
+    step_region_bytes: int
+    """Bytes of the layouts' regions (in `reserved_bytes`)."""
 
     def __getitem__(self, name: str) -> int:
         """`stats["used_bytes"]`, as the dict earlier versions returned."""
@@ -151,6 +161,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_stats": (_CStats, [c.c_int]),
         "vmpool_synchronize": (c.c_int, [c.c_int]),
         "vmpool_reset_peaks": (c.c_int, [c.c_int]),
+        "vmpool_mark_step": (c.c_int, [c.c_int]),
         "vmpool_print_snapshot": (c.c_int, [c.c_int]),
         "vmpool_snapshot": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
         "vmpool_trim": (c.c_int, [c.c_int, c.c_uint64]),
@@ -464,6 +475,13 @@ def dump_snapshot(path: str = "dump_snapshot.pickle", devices: int | None = None
 def print_snapshot(device: int = 0) -> None:
     """Writes `device`'s address-space map to stderr."""
     _check("print_snapshot", library().vmpool_print_snapshot(device))
+
+
+def mark_step(device: int = 0) -> None:
+    """Marks the end of a step of a program that repeats its work: once
+    steps repeat, `device`'s pool serves them from a layout, without driver
+    calls (Note [Step layouts] in docs/DESIGN.md)."""
+    _check("mark_step", library().vmpool_mark_step(device))
 
 
 def reset_peaks(device: int = 0) -> None:

@@ -44,6 +44,8 @@ __all__ = [
     "empty_cache",
     "install",
     "main",
+    "mark_step",
+    "mark_steps",
     "memory_snapshot",
     "print_snapshot",
     "record_history",
@@ -334,6 +336,23 @@ def snapshot(device: Device = None) -> str:
 def print_snapshot(device: Device = None) -> None:
     """Writes `device`'s address-space map to stderr."""
     _lib.print_snapshot(_index(device))
+
+
+def mark_step(device: Device = None) -> None:
+    """Marks the end of a step of a program that repeats its work (a
+    training step, a serving iteration) on `device`'s pool. Once two steps
+    in a row make the same allocations in the same order (sizes may
+    differ), the pool lays them out in one region and serves every later
+    step there: no driver call and no search, however long the program
+    runs. A step that does not fit goes to the pool's heap as before.
+    `stats()` counts `planned` and `missed` allocations."""
+    _lib.mark_step(_index(device))
+
+
+def mark_steps(optimizer: Any, device: Device = None) -> Any:
+    """Calls `mark_step(device)` after each `optimizer.step()`; returns the
+    hook's handle (`handle.remove()` stops it)."""
+    return optimizer.register_step_post_hook(lambda *_: mark_step(device))
 
 
 def reset_peaks(device: Device = None) -> None:
