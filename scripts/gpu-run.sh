@@ -13,15 +13,16 @@
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
 #
 # long: scripts/pytorch_compare.py over the models in WORKLOADS (default
-# all eight), native and vmpool interleaved, REPEATS runs (default 3) of
+# all eight), the ALLOCATORS (default native, vmpool and vmpool-steps,
+# which marks each step) interleaved, REPEATS runs (default 3) of
 # STEPS steps (default 300) each, to $OUT/long.json; then one vmpool run of
 # RECORD_STEPS steps (default 24) of each workload in RECORD (default the
 # five added for issue 23; empty: none) records its allocation trace to
 # $OUT/traces, gzipped. docs/GPU.md says how long each workload takes.
 #
 # calls: the calls probe over the bundled traces named in CALLS_TRACES
-# (comma-separated names without .trace.gz; default all), native and
-# vmpool, REPEATS runs (default 3) of CALLS_STEPS steps (default 12), to
+# (comma-separated names without .trace.gz; default all), the ALLOCATORS
+# as for long, REPEATS runs (default 3) of CALLS_STEPS steps (default 12), to
 # $OUT/calls.json.
 #
 # record-stream: scripts/torch_record_stream.py, whether memory another
@@ -180,7 +181,8 @@ for job in $jobs; do
         # A run's limit grows with its steps: gpt2-generate takes about
         # half a second a step.
         run "pytorch long runs" python3 "$here/torch/pytorch_compare.py" --workloads "${WORKLOADS:-models}" \
-            --allocators native,vmpool --repeats "${REPEATS:-3}" --steps "$steps" --timeout $((120 + 2 * steps)) \
+            --allocators "${ALLOCATORS:-native,vmpool,vmpool-steps}" --repeats "${REPEATS:-3}" --steps "$steps" \
+            --timeout $((120 + 2 * steps)) \
             --json "$outdir/long.json"
         record=${RECORD-gqa-decoder-train,vit-train,unet-train,moe-train,serve-loop}
         if [ -n "$record" ]; then
@@ -198,7 +200,7 @@ for job in $jobs; do
         names=${CALLS_TRACES:-$(cd "$here/traces" && ls -- *.trace.gz | sed 's/\.trace\.gz$//' | paste -sd, -)}
         traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$here/traces/&.trace.gz|" | paste -sd, -)
         run "pytorch calls probe" python3 "$here/torch/pytorch_compare.py" --workloads calls-probe \
-            --calls-trace "$traces" --allocators native,vmpool --repeats "${REPEATS:-3}" \
+            --calls-trace "$traces" --allocators "${ALLOCATORS:-native,vmpool,vmpool-steps}" --repeats "${REPEATS:-3}" \
             --steps "${CALLS_STEPS:-12}" --json "$outdir/calls.json"
         ;;
     record-stream)

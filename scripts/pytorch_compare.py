@@ -75,6 +75,9 @@ ALLOCATORS = {
     "expandable": "expandable_segments:True",
     "cudaMallocAsync": "backend:cudaMallocAsync",
     "vmpool": "",
+    # vmpool, a step marked after each step (vmpool.torch.mark_step): from
+    # the third step on, a repeating step is served from its layout.
+    "vmpool-steps": "",
 }
 WARMUP = 3
 MIB = 1 << 20
@@ -125,6 +128,7 @@ def child(args):
     # count nothing that says what they asked of the driver: none.
     step_footprint, step_driver_calls = [], []
     native = args.allocator == "native"
+    marks_steps = args.allocator == "vmpool-steps"
     segments = segment_calls(torch.cuda.memory_stats()) if native else None
     for index, shape in enumerate(shapes):
         before = vmpool.stats() if vmpool is not None else None
@@ -138,6 +142,8 @@ def child(args):
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(step(shape))
+        if marks_steps:
+            vmpool.mark_step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         gc.enable()
@@ -177,7 +183,8 @@ def child(args):
         s = vmpool.stats()
         reserved, allocated = s["reserved_high"], s["used_high"]
         extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "chunks_released", "grows",
-                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos")}
+                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos", "steps",
+                                   "step_layouts", "planned", "missed", "step_region_bytes")}
     else:
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         extra = {}
@@ -274,7 +281,7 @@ def segment_calls(memory):
 
 
 def is_vmpool(allocator):
-    return allocator == "vmpool" or allocator.startswith(("vmpool@", "vmpool/", "vmpool="))
+    return allocator in ("vmpool", "vmpool-steps") or allocator.startswith(("vmpool@", "vmpool/", "vmpool="))
 
 
 def step_time(runs):

@@ -28,6 +28,7 @@ from vmpool.torch import (  # noqa: E402,F401
     empty_cache,
     install,
     library_path,
+    mark_step,
     print_snapshot,
     reset_peaks,
     snapshot,
