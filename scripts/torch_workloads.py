@@ -477,7 +477,8 @@ def read_trace(path):
         for number, line in enumerate(f, 1):
             fields = line.split()
             try:
-                if not fields or fields[0].startswith("#"):
+                # A step's end (`s`): the probe marks its own steps.
+                if not fields or fields[0].startswith("#") or fields == ["s"]:
                     continue
                 if fields[0] == "a":
                     id_, size, stream = int(fields[1]), int(fields[2]), int(fields[3])

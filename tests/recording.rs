@@ -89,3 +89,31 @@ fn an_unflushed_trace_ends_on_a_whole_line() {
     drop(pool);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Step marks are recorded as `s` lines; a step layout's region is the
+/// pool's own and stays out of the trace, so that a replay of it asks for
+/// what the program asked for.
+#[test]
+fn steps_are_recorded_and_layout_regions_are_not() {
+    let path = std::env::temp_dir().join(format!("vmpool-steps-{}.trace", std::process::id()));
+    let (_ctx, pool) = recording_pool(&path);
+    for _ in 0..4 {
+        let a = pool.allocate(3 << 20).unwrap();
+        let b = pool.allocate(5 << 20).unwrap();
+        pool.free(a).unwrap();
+        pool.free(b).unwrap();
+        pool.mark_step().unwrap();
+    }
+    assert!(
+        pool.step_counters().region_bytes > 0,
+        "the steps were laid out"
+    );
+    pool.flush_trace().unwrap();
+    let trace = Trace::read(std::fs::File::open(&path).unwrap()).unwrap();
+    let steps = trace.ops.iter().filter(|op| **op == TraceOp::Step).count();
+    assert_eq!(steps, 4);
+    assert_eq!(trace.slots, 8, "the program's eight allocations, no region");
+    assert_eq!(trace.peak_live, 8 << 20);
+    drop(pool);
+    std::fs::remove_file(&path).unwrap();
+}

@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use vmpool::trace::{Trace, TraceOp};
-use vmpool_c::{vmpool_alloc, vmpool_free, vmpool_stats};
+use vmpool_c::{vmpool_alloc, vmpool_free, vmpool_mark_step, vmpool_stats};
 
 #[derive(Parser)]
 struct Args {
@@ -114,6 +114,11 @@ fn main() -> Result<()> {
                 TraceOp::Free { slot, .. } => {
                     let (ptr, size) = std::mem::replace(&mut live[slot], (std::ptr::null_mut(), 0));
                     vmpool_free(ptr, size, DEVICE, stream);
+                }
+                TraceOp::Step => {
+                    if vmpool_mark_step(DEVICE) != 0 {
+                        bail!("vmpool_mark_step failed in round {round}: see vmpool's log");
+                    }
                 }
                 _ => bail!("a trace operation of a kind this example does not know"),
             }

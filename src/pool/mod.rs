@@ -89,6 +89,15 @@ const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, stepping) < 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
 
+/// Whether an allocation goes in the pool's recorded trace
+/// ([`PoolProps::record`]): the program's do; the pool's own, a step
+/// layout's region, do not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Traced {
+    Yes,
+    No,
+}
+
 /// A memory pool. Cloning gives another handle to the same pool.
 pub struct Pool<B: Backend>(Arc<Shared<B>>);
 
@@ -377,7 +386,7 @@ impl<B: Backend> Pool<B> {
         if self.0.stepping.load(Ordering::Acquire) {
             return self.allocate_stepping(size, rounded, stream);
         }
-        self.allocate_from_heap(size, rounded, stream)
+        self.allocate_from_heap(size, rounded, stream, Traced::Yes)
     }
 
     /// An allocation from the heap: the stream's own frees, then the
@@ -388,15 +397,16 @@ impl<B: Backend> Pool<B> {
         size: u64,
         rounded: u64,
         stream: Option<&Arc<StreamShared<B>>>,
+        traced: Traced,
     ) -> Result<Allocation> {
         if let Some(s) = stream {
             // The hot path: memory this stream freed, reused in its order,
             // without the pool's lock.
             if let Some(p) = s.reuse(self.0.id, rounded) {
-                return Ok(self.hand_out(size, p, s.id));
+                return Ok(self.hand_out(size, p, s.id, traced));
             }
         }
-        self.allocate_locked(size, rounded, stream)
+        self.allocate_locked(size, rounded, stream, traced)
     }
 
     /// [`Pool::allocate_with`] under the pool's lock: the heap, other
@@ -408,6 +418,7 @@ impl<B: Backend> Pool<B> {
         size: u64,
         rounded: u64,
         stream: Option<&Arc<StreamShared<B>>>,
+        traced: Traced,
     ) -> Result<Allocation> {
         let mut released_others = false;
         loop {
@@ -416,7 +427,7 @@ impl<B: Backend> Pool<B> {
                 Ok(p) => {
                     inner.count_used(p.size);
                     drop(inner);
-                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id)));
+                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), traced));
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
@@ -478,7 +489,7 @@ impl<B: Backend> Pool<B> {
     }
 
     #[inline(always)]
-    fn hand_out(&self, size: u64, p: Pending, stream: u64) -> Allocation {
+    fn hand_out(&self, size: u64, p: Pending, stream: u64, traced: Traced) -> Allocation {
         tracing::trace!(
             pool = self.0.id,
             ptr = format_args!("{:#x}", p.ptr),
@@ -486,8 +497,8 @@ impl<B: Backend> Pool<B> {
             "allocate"
         );
         let trace_id = match &self.0.recorder {
-            Some(r) => r.allocation(size, stream),
-            None => 0,
+            Some(r) if traced == Traced::Yes => r.allocation(size, stream),
+            _ => 0,
         };
         Allocation {
             ptr: DevicePtr(p.ptr),
@@ -512,7 +523,12 @@ impl<B: Backend> Pool<B> {
     }
 
     fn record_free(&self, allocation: &Allocation, stream: u64) {
-        if let Some(r) = &self.0.recorder {
+        if let Some(r) = self
+            .0
+            .recorder
+            .as_ref()
+            .filter(|_| allocation.trace_id != 0)
+        {
             r.free(allocation.trace_id, stream);
         }
     }

@@ -17,7 +17,7 @@ use crate::steps::{Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::Result;
 
-use super::Pool;
+use super::{Pool, Traced};
 
 /// The layouts and the stream they serve.
 pub(super) struct Stepping<B: Backend> {
@@ -54,6 +54,9 @@ impl<B: Backend> Pool<B> {
     /// allocated (the steps then go on without one).
     pub fn mark_step(&self) -> Result<()> {
         self.awake()?;
+        if let Some(r) = &self.0.recorder {
+            r.step();
+        }
         self.0.stepping.store(true, Ordering::Release);
         let (marked, stream) = {
             let mut st = lock(&self.0.steps);
@@ -70,7 +73,7 @@ impl<B: Backend> Pool<B> {
             return Ok(());
         };
         let rounded = len.next_multiple_of(QUANTUM);
-        match self.allocate_from_heap(len, rounded, stream.as_ref().map(|s| &s.0)) {
+        match self.allocate_from_heap(len, rounded, stream.as_ref().map(|s| &s.0), Traced::No) {
             Ok(region) => {
                 let base = region.ptr.0;
                 lock(&self.0.steps).steps.install(base, region);
@@ -121,10 +124,10 @@ impl<B: Backend> Pool<B> {
                     size: rounded,
                     seq: 0,
                 };
-                Ok(self.hand_out(size, p, id.unwrap_or(0)))
+                Ok(self.hand_out(size, p, id.unwrap_or(0), Traced::Yes))
             }
             Placement::Heap(ordinal) => {
-                let allocation = self.allocate_from_heap(size, rounded, stream)?;
+                let allocation = self.allocate_from_heap(size, rounded, stream, Traced::Yes)?;
                 if let Some(o) = ordinal {
                     lock(&self.0.steps).steps.went_to_heap(o, allocation.ptr.0);
                 }

@@ -4,6 +4,7 @@
 //! # comment; the first line may end with `peak_live N`
 //! a <id> <bytes> <stream>     allocate
 //! f <id> <stream>             free
+//! s                           a step ends (`Pool::mark_step`)
 //! ```
 //!
 //! Ids are renumbered into dense slots so that a replay indexes a `Vec`.
@@ -34,6 +35,8 @@ pub enum TraceOp {
         /// The stream it was freed on.
         stream: u64,
     },
+    /// The program marked the end of a step ([`crate::Pool::mark_step`]).
+    Step,
 }
 
 /// A parsed allocation trace.
@@ -116,6 +119,7 @@ impl Trace {
                     live -= size;
                     trace.ops.push(TraceOp::Free { slot, stream });
                 }
+                Some(&"s") => trace.ops.push(TraceOp::Step),
                 Some(other) => return Err(fail(format!("unknown op {other:?}"))),
             }
         }
@@ -129,12 +133,13 @@ mod tests {
 
     #[test]
     fn parses_plain_and_gzip() {
-        let text = "# x peak_live 30\na 1 10 0\na 2 20 7\nf 1 0\na 3 5 0\nf 2 7\n";
+        let text = "# x peak_live 30\na 1 10 0\na 2 20 7\nf 1 0\ns\na 3 5 0\nf 2 7\n";
         let plain = Trace::read(text.as_bytes()).unwrap();
         assert_eq!(plain.peak_live, 30);
         assert_eq!(plain.slots, 3);
+        assert_eq!(plain.ops[3], TraceOp::Step);
         assert_eq!(
-            plain.ops[3],
+            plain.ops[4],
             TraceOp::Alloc {
                 slot: 2,
                 size: 5,

@@ -57,7 +57,7 @@ impl Recorder {
             line: String::new(),
         };
         lines.line(format_args!(
-            "# vmpool pool {pool} on {device}: a <id> <bytes> <stream> | f <id> <stream>\n"
+            "# vmpool pool {pool} on {device}: a <id> <bytes> <stream> | f <id> <stream> | s\n"
         ));
         Ok(Self(Mutex::new(lines)))
     }
@@ -76,6 +76,12 @@ impl Recorder {
     #[cold]
     pub(crate) fn free(&self, id: u64, stream: u64) {
         lock(&self.0).line(format_args!("f {id} {stream}\n"));
+    }
+
+    /// Records the end of a step ([`crate::Pool::mark_step`]).
+    #[cold]
+    pub(crate) fn step(&self) {
+        lock(&self.0).line(format_args!("s\n"));
     }
 
     pub(crate) fn flush(&self) -> std::io::Result<()> {

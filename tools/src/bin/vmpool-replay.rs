@@ -206,6 +206,11 @@ trait Replayed {
     fn begin_pass(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Where the trace marks the end of a step (`s`); only vmpool lays
+    /// steps out.
+    fn mark_step(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a replay measured, pass by pass.
@@ -246,6 +251,7 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<Passes
                 TraceOp::Free { slot, .. } => {
                     a.free(live[slot].take().expect("trace frees a live id"))?
                 }
+                TraceOp::Step => a.mark_step()?,
                 _ => anyhow::bail!("trace operation {i} is of a kind this replay does not know"),
             }
             if i % 4096 == 0 {
@@ -298,9 +304,12 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
     }
     fn begin_pass(&mut self) -> Result<()> {
         if self.mark_passes {
-            self.pool.mark_step()?;
+            self.mark_step()?;
         }
         Ok(())
+    }
+    fn mark_step(&mut self) -> Result<()> {
+        Ok(self.pool.mark_step()?)
     }
 }
 
