@@ -15,8 +15,11 @@
 //! same events as the one before (sizes may differ), its allocations that
 //! were freed within it are laid out in one region ([`crate::layout`]),
 //! each slot as large as the largest that ordinal has asked for. From then
-//! on, the allocation of each ordinal takes its slot if it fits and no live
-//! allocation lies there; anything else goes to the heap as before.
+//! on, while a step's events are the layout's, the allocation of each
+//! ordinal takes its slot if it fits and no live allocation lies there;
+//! anything else goes to the heap as before. A step that goes another way
+//! ends the layout, and its region goes back to the pool once nothing
+//! planned lives in it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -38,10 +41,19 @@ struct Recording {
     from_heap: HashMap<u64, u32>,
     /// Allocations that wanted their slot and did not get it.
     missed: u64,
+    /// Its events went another way than the layout's, which then went:
+    /// its allocations may live otherwise than their slots assume.
+    diverged: bool,
     /// The step made more than [`MAX_ALLOCATIONS`]: the rest went
     /// unrecorded, and it is laid out never.
     overflowed: bool,
 }
+
+/// A layout more than this many tenths of the peak its steps need is made
+/// again: it was made from a larger, odd step (an evaluation, the first
+/// step of a replayed pass). Greedy layouts come within a few hundredths of
+/// the peak (docs/RESULTS.md, "Step layouts").
+const OVERSIZED_TENTHS: u64 = 11;
 
 /// The most allocations a step records: a program that marks one step and
 /// never another must not record forever. Some 40 MB of recording at most.
@@ -93,6 +105,9 @@ impl<R> Region<R> {
 #[derive(Debug)]
 struct Active<R> {
     slots: Vec<Option<Slot>>,
+    /// The events of the steps it was made from: a step is served from the
+    /// layout only while its own events are these.
+    events: Vec<Event>,
     region: Region<R>,
 }
 
@@ -106,15 +121,12 @@ pub(crate) enum Placement {
     Heap(Option<u32>),
 }
 
-/// What a mark asks of the pool.
+/// A layout made at a mark, waiting for its region.
 #[derive(Debug)]
-pub(crate) struct Marked<R> {
-    /// Regions no planned allocation lives in any more: the pool frees
-    /// them.
-    pub(crate) retired: Vec<R>,
-    /// A new layout needs a region of this many bytes: the pool allocates
-    /// it and hands it to [`Steps::install`].
-    pub(crate) wants: Option<u64>,
+struct PendingLayout {
+    slots: Vec<Option<Slot>>,
+    events: Vec<Event>,
+    len: u64,
 }
 
 /// Counts for the statistics.
@@ -146,8 +158,11 @@ pub(crate) struct Steps<R> {
     active: Option<Active<R>>,
     /// Earlier regions with planned allocations still live.
     draining: Vec<Region<R>>,
-    /// A layout waiting for its region: slots and length.
-    pending: Option<(Vec<Option<Slot>>, u64)>,
+    /// Regions nothing lives in any more, for the pool to free
+    /// ([`Steps::take_retired`]).
+    retired: Vec<R>,
+    /// A layout waiting for its region.
+    pending: Option<PendingLayout>,
     counters: StepCounters,
     align: u64,
 }
@@ -160,6 +175,7 @@ impl<R> Steps<R> {
             previous: None,
             active: None,
             draining: Vec::new(),
+            retired: Vec::new(),
             pending: None,
             counters: StepCounters::default(),
             align,
@@ -190,7 +206,7 @@ impl<R> Steps<R> {
         }
         let ordinal = self.current.sizes.len() as u32;
         self.current.sizes.push(size);
-        self.current.events.push(Event::Alloc(ordinal));
+        self.record(Event::Alloc(ordinal));
         let Some(active) = &mut self.active else {
             return Placement::Heap(Some(ordinal));
         };
@@ -226,6 +242,34 @@ impl<R> Steps<R> {
         self.current.from_heap.insert(ptr, ordinal);
     }
 
+    /// Adds an event to the current step, noting where it leaves the
+    /// layout's.
+    fn record(&mut self, event: Event) {
+        let at = self.current.events.len();
+        self.current.events.push(event);
+        if let Some(active) = self.active.take_if(|a| a.events.get(at) != Some(&event)) {
+            // The program went another way: its memory is the heap's now,
+            // as soon as nothing planned lives in it.
+            self.current.diverged = true;
+            self.retire(active.region);
+        }
+    }
+
+    /// Gives a region up: to the pool at once if nothing lives in it, else
+    /// once its last planned allocation is freed.
+    fn retire(&mut self, region: Region<R>) {
+        if region.live.is_empty() {
+            self.retired.push(region.memory);
+        } else {
+            self.draining.push(region);
+        }
+    }
+
+    /// The regions given up since the last call: the pool frees them.
+    pub(crate) fn take_retired(&mut self) -> Vec<R> {
+        std::mem::take(&mut self.retired)
+    }
+
     /// Whether `ptr` is a live planned allocation.
     pub(crate) fn is_planned(&self, ptr: u64) -> bool {
         self.regions().any(|r| r.live.contains_key(&ptr))
@@ -235,7 +279,7 @@ impl<R> Steps<R> {
     /// which case the pool has nothing more to do.
     pub(crate) fn free(&mut self, ptr: u64) -> bool {
         if let Some(ordinal) = self.current.from_heap.remove(&ptr) {
-            self.current.events.push(Event::Free(ordinal));
+            self.record(Event::Free(ordinal));
             return false;
         }
         let Some(region) = self
@@ -250,21 +294,26 @@ impl<R> Steps<R> {
         let Some(live) = region.live.remove(&ptr) else {
             return false;
         };
+        if let Some(i) = self.draining.iter().position(|r| r.live.is_empty()) {
+            let drained = self.draining.swap_remove(i);
+            self.retired.push(drained.memory);
+        }
         if live.step == self.counters.steps {
-            self.current.events.push(Event::Free(live.ordinal));
+            self.record(Event::Free(live.ordinal));
         }
         true
     }
 
-    /// Ends a step. A step that did not fit the layout in use gets a new
-    /// one when it had the events of the step before, or when it is the
-    /// first step recorded (a program's steps are mostly alike; if the
-    /// next one is not, that layout goes). The pool is asked for the new
-    /// layout's region, and the old region drains.
-    pub(crate) fn mark(&mut self) -> Marked<R> {
+    /// Ends a step. A step gets a new layout when it had the events of the
+    /// step before, and the layout in use did not fit it or is far larger
+    /// than it needs (made from an odd step). Never from one step alone:
+    /// a layout made from an odd step would hold its region while the heap
+    /// grows for the steps that miss it. (A step whose events leave the
+    /// layout's gives it up there and then: see [`Steps::record`].) The
+    /// pool is asked for a new layout's region.
+    pub(crate) fn mark(&mut self) -> Option<u64> {
         self.counters.steps += 1;
         let finished = std::mem::take(&mut self.current);
-        let fitted = self.active.is_some() && finished.missed == 0;
         let whole = !finished.overflowed && !finished.events.is_empty();
         let repeats = whole
             && self
@@ -281,57 +330,46 @@ impl<R> Steps<R> {
                 .collect(),
             _ => finished.sizes,
         };
-        let first = self.counters.layouts == 0 && whole;
+        let fitted = self.active.as_ref().is_some_and(|a| {
+            let (lifetimes, _) = lifetimes(&finished.events, &sizes, self.align);
+            finished.missed == 0 && a.region.len * 10 <= peak(&lifetimes) * OVERSIZED_TENTHS
+        });
         let mut wants = None;
-        if (repeats || first) && !fitted {
+        if repeats && !fitted {
             let (slots, len) = self.lay_out(&finished.events, &sizes);
             wants = Some(len);
-            self.pending = Some((slots, len));
+            self.pending = Some(PendingLayout {
+                slots,
+                events: finished.events.clone(),
+                len,
+            });
             if let Some(old) = self.active.take() {
-                self.draining.push(old.region);
+                self.retire(old.region);
             }
         }
-        // What did not repeat cannot be planned: the layout goes when its
-        // step no longer comes.
-        else if !repeats && self.active.as_ref().is_some_and(|_| finished.missed > 0) {
-            let old = self.active.take().expect("checked");
-            self.draining.push(old.region);
-        }
-        let (empty, live): (Vec<_>, Vec<_>) =
-            self.draining.drain(..).partition(|r| r.live.is_empty());
-        self.draining = live;
-        let retired = empty.into_iter().map(|r| r.memory).collect();
+        tracing::debug!(
+            step = self.counters.steps,
+            allocations = sizes.len(),
+            missed = finished.missed,
+            diverged = finished.diverged,
+            repeats,
+            fitted,
+            lays_out = ?wants,
+            "step marked"
+        );
         self.previous = Some(Recording {
             events: finished.events,
             sizes,
             overflowed: finished.overflowed,
             ..Recording::default()
         });
-        Marked { retired, wants }
+        wants
     }
 
     /// Slots for the allocations of `events` freed within the step, sized
     /// `sizes`, and the region's length.
     fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> (Vec<Option<Slot>>, u64) {
-        let mut starts: Vec<Option<u32>> = vec![None; sizes.len()];
-        let mut lifetimes = Vec::new();
-        let mut ordinals = Vec::new();
-        for (i, event) in events.iter().enumerate() {
-            match *event {
-                Event::Alloc(o) => starts[o as usize] = Some(i as u32),
-                Event::Free(o) => {
-                    if let Some(start) = starts[o as usize].take() {
-                        let size = sizes[o as usize].next_multiple_of(self.align);
-                        lifetimes.push(Lifetime {
-                            size,
-                            start,
-                            end: i as u32 + 1,
-                        });
-                        ordinals.push(o);
-                    }
-                }
-            }
-        }
+        let (lifetimes, ordinals) = lifetimes(events, sizes, self.align);
         let layout = lay_out(&lifetimes, self.align);
         let mut slots = vec![None; sizes.len()];
         for ((o, offset), l) in ordinals.iter().zip(layout.offsets).zip(&lifetimes) {
@@ -346,9 +384,11 @@ impl<R> Steps<R> {
 
     /// The region the last mark asked for, allocated at `base`.
     pub(crate) fn install(&mut self, base: u64, memory: R) {
-        let (slots, len) = self.pending.take().expect("a layout waits for its region");
+        let PendingLayout { slots, events, len } =
+            self.pending.take().expect("a layout waits for its region");
         self.active = Some(Active {
             slots,
+            events,
             region: Region {
                 base,
                 len,
@@ -363,4 +403,44 @@ impl<R> Steps<R> {
     pub(crate) fn abandon(&mut self) {
         self.pending = None;
     }
+}
+
+/// The lifetimes of the allocations of `events` freed within the step,
+/// sized `sizes` rounded up to `align`, with their ordinals.
+fn lifetimes(events: &[Event], sizes: &[u64], align: u64) -> (Vec<Lifetime>, Vec<u32>) {
+    let mut starts: Vec<Option<u32>> = vec![None; sizes.len()];
+    let mut lifetimes = Vec::new();
+    let mut ordinals = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        match *event {
+            Event::Alloc(o) => starts[o as usize] = Some(i as u32),
+            Event::Free(o) => {
+                if let Some(start) = starts[o as usize].take() {
+                    lifetimes.push(Lifetime {
+                        size: sizes[o as usize].next_multiple_of(align),
+                        start,
+                        end: i as u32 + 1,
+                    });
+                    ordinals.push(o);
+                }
+            }
+        }
+    }
+    (lifetimes, ordinals)
+}
+
+/// The most bytes of `lifetimes` live at once: no layout is smaller.
+fn peak(lifetimes: &[Lifetime]) -> u64 {
+    let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) as usize;
+    let mut change = vec![0i128; end + 1];
+    for l in lifetimes {
+        change[l.start as usize] += i128::from(l.size);
+        change[l.end as usize] -= i128::from(l.size);
+    }
+    let (mut live, mut most) = (0i128, 0i128);
+    for c in change {
+        live += c;
+        most = most.max(live);
+    }
+    most as u64
 }

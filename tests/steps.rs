@@ -113,6 +113,9 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
     pool.mark_step().unwrap();
     step(b.as_ref(), &pool, &s, 1);
     pool.mark_step().unwrap();
+    assert_eq!(pool.step_counters().layouts, 0, "one step is not a pattern");
+    step(b.as_ref(), &pool, &s, 1);
+    pool.mark_step().unwrap();
     let counters = pool.step_counters();
     assert_eq!(counters.layouts, 1);
     assert!(counters.region_bytes > 0);
@@ -179,9 +182,7 @@ pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
         check_ends(b.as_ref(), &s, &a, word);
         pool.free_async(a, &s).unwrap();
     }
-    let counters = pool.step_counters();
-    assert!(counters.planned > 0);
-    assert!(counters.missed >= 2, "the held slot was handed out again");
+    assert!(pool.step_counters().planned > 0);
     ctx.synchronize_stream(&s).unwrap();
     ctx.synchronize_stream(&other).unwrap();
     pool.audit().unwrap();
@@ -202,11 +203,46 @@ pub fn steps_that_never_repeat_give_their_region_back<B: TestBackend>(b: &Arc<B>
         }
         pool.mark_step().unwrap();
     }
-    // The first step was laid out speculatively; the second did not fit it,
-    // so it went, and nothing repeated since.
     let counters = pool.step_counters();
-    assert_eq!(counters.layouts, 1);
+    assert_eq!(counters.layouts, 0);
     assert_eq!(counters.region_bytes, 0);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &s, 2);
+        pool.mark_step().unwrap();
+    }
+    let region = pool.step_counters().region_bytes;
+    assert!(region > 12 * MIB, "{region}");
+    let reserved = pool.stats().reserved_bytes;
+    // Another kind of step (an evaluation): where its events leave the
+    // layout's (its third allocation), the layout goes, and its region
+    // goes back to the heap once the two allocations planned before that
+    // are freed. The pool grows by no more than what the step asked for
+    // while the region was held.
+    let other: Vec<Allocation> = (1..=4)
+        .map(|i| pool.allocate_async(i * MIB + 4096, &s).unwrap())
+        .collect();
+    for a in other {
+        pool.free_async(a, &s).unwrap();
+    }
+    assert_eq!(pool.step_counters().region_bytes, 0);
+    let grown = pool.stats().reserved_bytes - reserved;
+    assert!(grown <= 8 * MIB, "the other step grew the pool by {grown}");
+    pool.mark_step().unwrap();
+    // The training steps again: laid out once more after two of them.
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &s, 2);
+        pool.mark_step().unwrap();
+    }
+    assert_eq!(pool.step_counters().layouts, 2);
     ctx.synchronize_stream(&s).unwrap();
     pool.audit().unwrap();
 }
@@ -226,6 +262,7 @@ suites!(
     steps_of_changing_sizes_settle_at_the_largest,
     what_outlives_its_step_stays_intact,
     steps_that_never_repeat_give_their_region_back,
+    a_step_that_goes_another_way_gives_its_region_back,
     marking_a_sleeping_pool_is_refused,
 );
 

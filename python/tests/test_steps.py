@@ -28,11 +28,11 @@ SCRIPT = textwrap.dedent(
 
 
     # The first mark comes before the pool exists: it has nothing to do.
+    # Then two steps recorded alike: laid out at the second one's end.
     vmpool.mark_step()
-    step()
-    vmpool.mark_step()
-    step()
-    vmpool.mark_step()
+    for _ in range(3):
+        step()
+        vmpool.mark_step()
     maps = vmpool.stats().maps
     for _ in range(5):
         step()

@@ -36,6 +36,12 @@ impl<B: Backend> Stepping<B> {
             captures,
         }
     }
+
+    /// The regions given up, if any, and the stream to free them on.
+    fn retired(&mut self) -> Option<(Vec<Allocation>, Option<Stream<B>>)> {
+        let regions = self.steps.take_retired();
+        (!regions.is_empty()).then(|| (regions, self.stream.clone()))
+    }
 }
 
 impl<B: Backend> Pool<B> {
@@ -58,18 +64,14 @@ impl<B: Backend> Pool<B> {
             r.step();
         }
         self.0.stepping.store(true, Ordering::Release);
-        let (marked, stream) = {
+        let (wants, retired, stream) = {
             let mut st = lock(&self.0.steps);
-            (st.steps.mark(), st.stream.clone())
+            let wants = st.steps.mark();
+            (wants, st.steps.take_retired(), st.stream.clone())
         };
-        // Drained regions go first, so that a new one can take their place.
-        for region in marked.retired {
-            match &stream {
-                Some(s) => self.release_async(&region, s),
-                None => self.release(&region),
-            }
-        }
-        let Some(len) = marked.wants else {
+        // Regions given up go first, so that a new one can take their place.
+        self.free_regions(retired, stream.as_ref());
+        let Some(len) = wants else {
             return Ok(());
         };
         let rounded = len.next_multiple_of(QUANTUM);
@@ -92,6 +94,17 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// Frees regions the layouts gave up, on the layout's stream: the
+    /// work queued there may still use what lay in them.
+    fn free_regions(&self, regions: Vec<Allocation>, stream: Option<&Stream<B>>) {
+        for region in regions {
+            match stream {
+                Some(s) => self.release_async(&region, s),
+                None => self.release(&region),
+            }
+        }
+    }
+
     /// What the step layouts have done.
     pub fn step_counters(&self) -> StepCounters {
         lock(&self.0.steps).steps.counters()
@@ -106,15 +119,18 @@ impl<B: Backend> Pool<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Allocation> {
         let id = stream.map(|s| s.id);
-        let placement = {
+        let (placement, retired) = {
             let mut st = lock(&self.0.steps);
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
             if st.stream.is_none() && placement != Placement::Heap(None) {
                 st.stream = stream.map(|s| Stream(Arc::clone(s)));
             }
-            placement
+            (placement, st.retired())
         };
+        if let Some((regions, stream)) = retired {
+            self.free_regions(regions, stream.as_ref());
+        }
         match placement {
             Placement::Planned(ptr) => {
                 let p = Pending {
@@ -146,7 +162,24 @@ impl<B: Backend> Pool<B> {
         allocation: &Allocation,
         stream: Option<&Stream<B>>,
     ) -> bool {
-        let mut st = lock(&self.0.steps);
+        let (planned, retired) = {
+            let mut st = lock(&self.0.steps);
+            let planned = self.free_in_steps(&mut st, allocation, stream);
+            (planned, st.retired())
+        };
+        if let Some((regions, stream)) = retired {
+            self.free_regions(regions, stream.as_ref());
+        }
+        planned
+    }
+
+    /// [`Pool::free_stepping`] under the steps' lock.
+    fn free_in_steps(
+        &self,
+        st: &mut Stepping<B>,
+        allocation: &Allocation,
+        stream: Option<&Stream<B>>,
+    ) -> bool {
         let ptr = allocation.ptr.0;
         let layout_stream = st.stream.as_ref().map(|s| s.0.id);
         if let Some(s) = stream.filter(|s| Some(s.0.id) != layout_stream) {

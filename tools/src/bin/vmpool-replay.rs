@@ -152,6 +152,8 @@ struct Report {
     grow_nanos: u64,
     maps: u64,
     unmaps: u64,
+    /// vmpool's step layouts (`--mark-passes`, or the trace's marks).
+    steps: vmpool::StepCounters,
 }
 
 impl Report {
@@ -349,6 +351,7 @@ fn replay_vmpool<B: Backend>(
         grow_nanos: stats.grow_nanos,
         maps: stats.maps,
         unmaps: stats.unmaps,
+        steps: pool.step_counters(),
     })
 }
 
@@ -557,6 +560,11 @@ fn replay_main(args: &Args) -> Result<()> {
                 "grow_ns_per_op": report.grow_nanos as f64 / report.ops as f64,
                 "maps": report.maps,
                 "unmaps": report.unmaps,
+                "steps": report.steps.steps,
+                "step_layouts": report.steps.layouts,
+                "planned": report.steps.planned,
+                "missed": report.steps.missed,
+                "step_region_bytes": report.steps.region_bytes,
                 "est_driver_us": report.est_driver_us(),
             })
         );
@@ -588,6 +596,13 @@ fn replay_main(args: &Args) -> Result<()> {
             "grows / maps    {:>14} / {} ({} unmaps)",
             report.grows, report.maps, report.unmaps
         );
+        if report.steps.steps > 0 {
+            let st = &report.steps;
+            println!(
+                "steps           {:>14} marked, {} layouts; {} planned, {} missed; region {} bytes",
+                st.steps, st.layouts, st.planned, st.missed, st.region_bytes
+            );
+        }
         println!(
             "driver, est.    {:>14} us (20 per growth, 9 per chunk created, 21 per map, 15 per unmap, 15 per release)",
             report.est_driver_us()
