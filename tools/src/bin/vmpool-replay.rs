@@ -142,6 +142,8 @@ struct Report {
     pass_peaks: Vec<u64>,
     /// Chunks mapped in each pass (vmpool only).
     pass_maps: Vec<u64>,
+    /// Chunks mapped in each marked step (vmpool only).
+    step_maps: Vec<u64>,
     ops: u64,
     nanos: u128,
     remaps: u64,
@@ -204,15 +206,20 @@ trait Replayed {
     fn maps(&mut self) -> u64 {
         0
     }
-    /// Before each pass.
-    fn begin_pass(&mut self) -> Result<()> {
-        Ok(())
-    }
     /// Where the trace marks the end of a step (`s`); only vmpool lays
     /// steps out.
     fn mark_step(&mut self) -> Result<()> {
         Ok(())
     }
+}
+
+/// Where a replay marks steps (`Pool::mark_step`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Marks {
+    /// Where the trace does (`s` lines).
+    Trace,
+    /// There, and as each pass begins (`--mark-passes`).
+    EachPass,
 }
 
 /// What a replay measured, pass by pass.
@@ -222,19 +229,34 @@ struct Passes {
     peaks: Vec<u64>,
     /// Chunks mapped during each pass.
     maps: Vec<u64>,
+    /// Chunks mapped during each marked step (from one mark to the next).
+    step_maps: Vec<u64>,
 }
 
 /// Replays `trace` `passes` times on `a`, freeing what is left live after
 /// each pass.
-fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<Passes> {
+fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize, marks: Marks) -> Result<Passes> {
     let bar = progress(trace.ops.len() * passes);
     let mut measured = Passes {
         nanos: 0,
         peaks: Vec::with_capacity(passes),
         maps: Vec::with_capacity(passes),
+        step_maps: Vec::new(),
+    };
+    // Chunks mapped as of the last mark.
+    let mut at_mark = None;
+    let mut mark = |a: &mut A, step_maps: &mut Vec<u64>| -> Result<()> {
+        a.mark_step()?;
+        let maps = a.maps();
+        if let Some(before) = at_mark.replace(maps) {
+            step_maps.push(maps - before);
+        }
+        Ok(())
     };
     for pass in 0..passes {
-        a.begin_pass()?;
+        if marks == Marks::EachPass {
+            mark(a, &mut measured.step_maps)?;
+        }
         let maps_before = a.maps();
         let mut live: Vec<Option<A::Allocation>> = Vec::with_capacity(trace.slots);
         live.resize_with(trace.slots, || None);
@@ -253,7 +275,7 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize) -> Result<Passes
                 TraceOp::Free { slot, .. } => {
                     a.free(live[slot].take().expect("trace frees a live id"))?
                 }
-                TraceOp::Step => a.mark_step()?,
+                TraceOp::Step => mark(a, &mut measured.step_maps)?,
                 _ => anyhow::bail!("trace operation {i} is of a kind this replay does not know"),
             }
             if i % 4096 == 0 {
@@ -277,7 +299,6 @@ struct VmpoolReplay<B: Backend> {
     pool: vmpool::Pool<B>,
     /// `Some`: stream-ordered on this stream.
     stream: Option<vmpool::Stream<B>>,
-    mark_passes: bool,
 }
 
 impl<B: Backend> Replayed for VmpoolReplay<B> {
@@ -304,12 +325,6 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
     fn maps(&mut self) -> u64 {
         self.pool.stats().maps
     }
-    fn begin_pass(&mut self) -> Result<()> {
-        if self.mark_passes {
-            self.mark_step()?;
-        }
-        Ok(())
-    }
     fn mark_step(&mut self) -> Result<()> {
         Ok(self.pool.mark_step()?)
     }
@@ -322,7 +337,7 @@ fn replay_vmpool<B: Backend>(
     props: &PoolProps,
     stream_ordered: bool,
     passes: usize,
-    mark_passes: bool,
+    marks: Marks,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(props)?;
@@ -331,9 +346,8 @@ fn replay_vmpool<B: Backend>(
     let mut replayed = VmpoolReplay {
         pool,
         stream: stream_ordered.then(|| stream.clone()),
-        mark_passes,
     };
-    let measured = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes, marks)?;
     let pool = replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
@@ -341,6 +355,7 @@ fn replay_vmpool<B: Backend>(
         peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
         pass_peaks: measured.peaks,
         pass_maps: measured.maps,
+        step_maps: measured.step_maps,
         ops: (trace.ops.len() * passes) as u64,
         nanos: measured.nanos,
         remaps: stats.remaps,
@@ -380,7 +395,7 @@ fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) 
         pool: vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?,
         stream: cuda.create_stream(DeviceId(0))?,
     };
-    let measured = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes, Marks::Trace)?;
     cuda.synchronize_stream(&replayed.stream)?;
     Ok(Report {
         peak_reserved: replayed.pool.reserved_high()?,
@@ -436,7 +451,7 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize)
     };
     replayed.baseline = replayed.used()?;
     replayed.peak = replayed.baseline;
-    let measured = replay(&mut replayed, trace, passes)?;
+    let measured = replay(&mut replayed, trace, passes, Marks::Trace)?;
     Ok(Report {
         peak_reserved: replayed.reserved_high()?,
         pass_peaks: measured.peaks,
@@ -474,6 +489,11 @@ fn replay_main(args: &Args) -> Result<()> {
         bail!("--mark-passes is for vmpool");
     }
     let passes = args.passes as usize;
+    let marks = if args.mark_passes {
+        Marks::EachPass
+    } else {
+        Marks::Trace
+    };
     let props = PoolProps {
         chunk_size: args.chunk_size.map(|b| b.0),
         chunk_divisor: args.chunk_divisor.0,
@@ -501,17 +521,12 @@ fn replay_main(args: &Args) -> Result<()> {
                 &props,
                 args.stream_ordered,
                 passes,
-                args.mark_passes,
+                marks,
             )?
         }
-        (Some(cuda), AllocatorKind::Vmpool) => replay_vmpool(
-            cuda,
-            &trace,
-            &props,
-            args.stream_ordered,
-            passes,
-            args.mark_passes,
-        )?,
+        (Some(cuda), AllocatorKind::Vmpool) => {
+            replay_vmpool(cuda, &trace, &props, args.stream_ordered, passes, marks)?
+        }
         (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, passes)?,
         (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, passes)?,
         (None, _) => bail!("the CUDA allocators need a GPU, and none could be opened"),
@@ -550,6 +565,7 @@ fn replay_main(args: &Args) -> Result<()> {
                 "passes": passes,
                 "pass_ratios": pass_ratios,
                 "pass_maps": report.pass_maps,
+                "step_maps": report.step_maps,
                 "ops": report.ops,
                 "ns_per_op": ns_per_op,
                 "remaps": report.remaps,
@@ -601,6 +617,12 @@ fn replay_main(args: &Args) -> Result<()> {
             println!(
                 "steps           {:>14} marked, {} layouts; {} planned, {} missed; region {} bytes",
                 st.steps, st.layouts, st.planned, st.missed, st.region_bytes
+            );
+            let mapping = report.step_maps.iter().filter(|&&m| m > 0).count();
+            println!(
+                "steps mapping   {:>14} of {} (chunks mapped between two marks)",
+                mapping,
+                report.step_maps.len()
             );
         }
         println!(
