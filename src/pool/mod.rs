@@ -24,10 +24,10 @@
 mod audit;
 mod batches;
 mod inner;
+mod recording;
 mod sleep;
 mod stepping;
 
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -47,6 +47,7 @@ use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
 use inner::Inner;
+use recording::Traced;
 pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
 use stepping::Stepping;
 
@@ -88,15 +89,6 @@ const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, stepping) < 
 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
-
-/// Whether an allocation goes in the pool's recorded trace
-/// ([`PoolProps::record`]): the program's do; the pool's own, a step
-/// layout's region, do not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Traced {
-    Yes,
-    No,
-}
 
 /// A memory pool. Cloning gives another handle to the same pool.
 pub struct Pool<B: Backend>(Arc<Shared<B>>);
@@ -209,11 +201,6 @@ impl<B: Backend> Pool<B> {
         list.push(WeakPool(Arc::downgrade(&shared)));
         tracing::debug!(pool = shared.id, %device, va_size, chunk_size, chunk_divisor = ?props.chunk_divisor, "pool created");
         Ok(Self(shared))
-    }
-
-    fn recorder(path: &Path, id: u64, device: DeviceId) -> Result<Recorder> {
-        Recorder::create(path, id, device)
-            .map_err(|e| Error::InvalidProps(format!("cannot record to {}: {e}", path.display())))
     }
 
     pub(crate) fn downgrade(&self) -> WeakPool<B> {
@@ -509,27 +496,6 @@ impl<B: Backend> Pool<B> {
             pool: self.0.id,
             trace_id,
             device: self.0.device,
-        }
-    }
-
-    /// Writes out what the pool has recorded so far (see
-    /// [`PoolProps::record`]); a pool that is never dropped, such as one of
-    /// the C library's, must be flushed before the process exits.
-    pub fn flush_trace(&self) -> std::io::Result<()> {
-        match &self.0.recorder {
-            Some(r) => r.flush(),
-            None => Ok(()),
-        }
-    }
-
-    fn record_free(&self, allocation: &Allocation, stream: u64) {
-        if let Some(r) = self
-            .0
-            .recorder
-            .as_ref()
-            .filter(|_| allocation.trace_id != 0)
-        {
-            r.free(allocation.trace_id, stream);
         }
     }
 
