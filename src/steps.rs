@@ -150,7 +150,9 @@ pub struct StepCounters {
 #[derive(Debug)]
 pub(crate) struct Steps<R> {
     /// The stream the layout serves (`None`: synchronous calls), fixed by
-    /// the first allocation after the first mark.
+    /// the first allocation after the first mark, and again after a step in
+    /// which it allocated nothing (the program moved to another stream, or
+    /// the C library forgot its streams and adopted them anew).
     stream: Option<Option<u64>>,
     current: Recording,
     /// The step before: its events and sizes.
@@ -265,6 +267,19 @@ impl<R> Steps<R> {
         }
     }
 
+    /// Whether a stream is the layout's (none since a quiet step).
+    pub(crate) fn has_stream(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// Gives the layout up if nothing planned lives in it now (the pool is
+    /// asked for its unused memory): its region is retired.
+    pub(crate) fn give_up_if_idle(&mut self) {
+        if let Some(active) = self.active.take_if(|a| a.region.live.is_empty()) {
+            self.retire(active.region);
+        }
+    }
+
     /// The regions given up since the last call: the pool frees them.
     pub(crate) fn take_retired(&mut self) -> Vec<R> {
         std::mem::take(&mut self.retired)
@@ -314,6 +329,16 @@ impl<R> Steps<R> {
     pub(crate) fn mark(&mut self) -> Option<u64> {
         self.counters.steps += 1;
         let finished = std::mem::take(&mut self.current);
+        if finished.sizes.is_empty() {
+            // The stream went quiet: the next step's first allocation
+            // picks the stream, and what was learnt of this one goes.
+            self.stream = None;
+            self.previous = None;
+            if let Some(active) = self.active.take() {
+                self.retire(active.region);
+            }
+            return None;
+        }
         let whole = !finished.overflowed && !finished.events.is_empty();
         let repeats = whole
             && self

@@ -247,6 +247,66 @@ pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Ar
     pool.audit().unwrap();
 }
 
+pub fn a_trim_gives_an_idle_layout_back<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    let lay_out = || {
+        for _ in 0..3 {
+            step(b.as_ref(), &pool, &s, 2);
+            pool.mark_step().unwrap();
+        }
+        assert!(pool.step_counters().region_bytes > 0);
+    };
+    pool.mark_step().unwrap();
+    lay_out();
+    // Idle between steps: given up, its region freed in stream order,
+    // released by a trim once the stream has passed the free.
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.step_counters().region_bytes, 0);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    // Laid out again; with a planned allocation live, a trim keeps it.
+    lay_out();
+    let planned = pool.step_counters().planned;
+    let a = pool.allocate_async(2 * MIB, &s).unwrap();
+    assert_eq!(pool.step_counters().planned, planned + 1);
+    pool.trim_to(0).unwrap();
+    assert!(pool.step_counters().region_bytes > 0);
+    pool.free_async(a, &s).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let first = ctx.create_stream(DEV).unwrap();
+    let second = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &first, 1);
+        pool.mark_step().unwrap();
+    }
+    assert_eq!(pool.step_counters().layouts, 1);
+    // The program moves to another stream. Its first step is not the
+    // layout's stream's, which makes no allocation: the layout goes, and
+    // the other stream's steps are laid out in their turn.
+    for _ in 0..4 {
+        step(b.as_ref(), &pool, &second, 1);
+        pool.mark_step().unwrap();
+    }
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 2);
+    let planned = counters.planned;
+    step(b.as_ref(), &pool, &second, 1);
+    assert_eq!(pool.step_counters().planned, planned + 40);
+    ctx.synchronize_stream(&first).unwrap();
+    ctx.synchronize_stream(&second).unwrap();
+    pool.audit().unwrap();
+}
+
 pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -263,6 +323,8 @@ suites!(
     what_outlives_its_step_stays_intact,
     steps_that_never_repeat_give_their_region_back,
     a_step_that_goes_another_way_gives_its_region_back,
+    a_trim_gives_an_idle_layout_back,
+    a_quiet_stream_hands_the_layout_on,
     marking_a_sleeping_pool_is_refused,
 );
 

@@ -591,6 +591,8 @@ impl<B: Backend> Shim<B> {
             let Some(pool) = dev.pool.get() else {
                 continue;
             };
+            // Gives up an idle step layout, freed in stream order: see below.
+            pool.trim_to(0)?;
             if !dev.graphs.any_open() {
                 self.wait_and_forget_streams(dev)?;
             }

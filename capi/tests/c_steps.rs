@@ -4,7 +4,9 @@
 
 use std::ffi::c_void;
 
-use vmpool_c::{vmpool_alloc, vmpool_backend, vmpool_free, vmpool_mark_step, vmpool_stats};
+use vmpool_c::{
+    vmpool_alloc, vmpool_backend, vmpool_empty_cache, vmpool_free, vmpool_mark_step, vmpool_stats,
+};
 
 const MIB: isize = 1 << 20;
 
@@ -64,4 +66,15 @@ fn marked_steps_are_served_from_a_layout() {
     assert_eq!(after.missed, 0);
     assert_eq!(after.maps, laid_out.maps, "a laid-out step mapped chunks");
     assert_eq!(vmpool_mark_step(7), -1, "a device the host backend lacks");
+    // empty_cache gives the idle layout's region back with the rest.
+    vmpool_empty_cache();
+    let emptied = vmpool_stats(0);
+    assert_eq!(emptied.step_region_bytes, 0);
+    assert_eq!(emptied.reserved_bytes, 0);
+    // The steps lay out again once two of them repeat.
+    for _ in 0..3 {
+        step();
+        assert_eq!(vmpool_mark_step(0), 0);
+    }
+    assert_eq!(vmpool_stats(0).step_layouts, 2);
 }

@@ -515,8 +515,14 @@ impl<B: Backend> Pool<B> {
 
     /// Releases unused physical memory until the pool holds at most
     /// `bytes_to_keep` bytes, or nothing more can be released (a chunk is
-    /// released only once no live byte is on any part of it).
+    /// released only once no live byte is on any part of it). A step
+    /// layout nothing lives in is given up first (Note [Step layouts]); its
+    /// region is freed in stream order, so it is released by a trim after
+    /// its stream has passed the free.
     pub fn trim_to(&self, bytes_to_keep: u64) -> Result<()> {
+        if self.0.stepping.load(Ordering::Acquire) {
+            self.give_up_idle_layout();
+        }
         self.lock().growth().trim_to(bytes_to_keep)
     }
 
@@ -530,6 +536,10 @@ impl<B: Backend> Pool<B> {
             .filter(|p| !p.0.keeps_unused.load(Ordering::Relaxed))
             .collect();
         for pool in pools {
+            // An idle step layout's region first, freed in stream order.
+            if pool.0.stepping.load(Ordering::Acquire) {
+                pool.give_up_idle_layout();
+            }
             // Memory a pool's streams freed but have not passed is unused
             // too, once they have: wait for them, as for this pool's own.
             pool.lock().wait_for_pending_frees();

@@ -67,7 +67,12 @@ impl<B: Backend> Pool<B> {
         let (wants, retired, stream) = {
             let mut st = lock(&self.0.steps);
             let wants = st.steps.mark();
-            (wants, st.steps.take_retired(), st.stream.clone())
+            let stream = st.stream.clone();
+            if !st.steps.has_stream() {
+                // The next step's first allocation picks the stream.
+                st.stream = None;
+            }
+            (wants, st.steps.take_retired(), stream)
         };
         // Regions given up go first, so that a new one can take their place.
         self.free_regions(retired, stream.as_ref());
@@ -91,6 +96,20 @@ impl<B: Backend> Pool<B> {
                 lock(&self.0.steps).steps.abandon();
                 Err(e)
             }
+        }
+    }
+
+    /// Gives up a layout nothing planned lives in now, its region freed
+    /// in stream order: asked for its unused memory, the pool counts an
+    /// idle region as unused. Steps that repeat lay out again.
+    pub(super) fn give_up_idle_layout(&self) {
+        let retired = {
+            let mut st = lock(&self.0.steps);
+            st.steps.give_up_if_idle();
+            st.retired()
+        };
+        if let Some((regions, stream)) = retired {
+            self.free_regions(regions, stream.as_ref());
         }
     }
 
