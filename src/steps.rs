@@ -80,11 +80,11 @@ struct Live {
 /// by [`Steps`] as `R` (the pool's allocation type), and the planned
 /// allocations live in it.
 #[derive(Debug)]
-pub(crate) struct Region<R> {
+struct Region<R> {
     base: u64,
     len: u64,
     live: BTreeMap<u64, Live>,
-    pub(crate) memory: R,
+    memory: R,
 }
 
 impl<R> Region<R> {
@@ -134,8 +134,8 @@ struct PendingLayout {
 pub struct StepCounters {
     /// Marks so far.
     pub steps: u64,
-    /// Layouts made (the first, and each one made again when a step
-    /// outgrew the last).
+    /// Layouts made: when steps first repeat, and again when they repeat
+    /// after outgrowing the last layout or leaving it.
     pub layouts: u64,
     /// Allocations served from a layout's slot.
     pub planned: u64,
