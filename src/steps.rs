@@ -245,11 +245,13 @@ impl<R> Steps<R> {
     }
 
     /// Adds an event to the current step, noting where it leaves the
-    /// layout's.
+    /// layout's. Events past the layout's last are not leaving it: by then
+    /// every planned allocation has been freed where the layout expects.
     fn record(&mut self, event: Event) {
         let at = self.current.events.len();
         self.current.events.push(event);
-        if let Some(active) = self.active.take_if(|a| a.events.get(at) != Some(&event)) {
+        let leaves = |a: &mut Active<R>| a.events.get(at).is_some_and(|e| *e != event);
+        if let Some(active) = self.active.take_if(leaves) {
             // The program went another way: its memory is the heap's now,
             // as soon as nothing planned lives in it.
             self.current.diverged = true;

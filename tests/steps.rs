@@ -307,6 +307,32 @@ pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+pub fn a_step_that_does_more_at_its_end_keeps_its_layout<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &s, 1);
+        pool.mark_step().unwrap();
+    }
+    // Every few steps, something more after the step's own work (a log,
+    // a checkpoint): served by the heap, the layout kept.
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &s, 1);
+        let extra = pool.allocate_async(5 * MIB, &s).unwrap();
+        pool.free_async(extra, &s).unwrap();
+        pool.mark_step().unwrap();
+        step(b.as_ref(), &pool, &s, 1);
+        pool.mark_step().unwrap();
+    }
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 1);
+    assert_eq!(counters.planned, 7 * 40, "the third step on, all planned");
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
 pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -325,6 +351,7 @@ suites!(
     a_step_that_goes_another_way_gives_its_region_back,
     a_trim_gives_an_idle_layout_back,
     a_quiet_stream_hands_the_layout_on,
+    a_step_that_does_more_at_its_end_keeps_its_layout,
     marking_a_sleeping_pool_is_refused,
 );
 
