@@ -18,8 +18,8 @@
 //! on, while a step's events are the layout's, the allocation of each
 //! ordinal takes its slot if it fits and no live allocation lies there;
 //! anything else goes to the heap as before. A step that goes another way
-//! ends the layout, and its region goes back to the pool once nothing
-//! planned lives in it.
+//! ends the layout, and its region goes back to the pool at once, split
+//! around the planned allocations still live in it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -68,7 +68,7 @@ struct Slot {
 
 /// A planned allocation that is live.
 #[derive(Debug, Clone, Copy)]
-struct Live {
+pub(crate) struct Live {
     end: u64,
     ordinal: u32,
     /// The mark it was made after: a free in a later step is not that
@@ -109,6 +109,32 @@ struct Active<R> {
     /// layout only while its own events are these.
     events: Vec<Event>,
     region: Region<R>,
+}
+
+/// A region to split around its live planned allocations.
+#[derive(Debug)]
+pub(crate) struct Split<R> {
+    pub(crate) memory: R,
+    /// Address, bytes and what the steps know of each.
+    pub(crate) live: Vec<(u64, u64, Live)>,
+}
+
+/// A planned allocation whose region was split: the part that holds it.
+#[derive(Debug)]
+struct Converted<R> {
+    memory: R,
+    live: Live,
+}
+
+/// What the pool does with a free.
+#[derive(Debug)]
+pub(crate) enum Freed<R> {
+    /// Not planned: the heap's, as any allocation.
+    Heap,
+    /// A planned allocation, free now: nothing more to do.
+    Planned,
+    /// A planned allocation whose region was split: free this part of it.
+    Split(R),
 }
 
 /// Where an allocation goes.
@@ -158,8 +184,12 @@ pub(crate) struct Steps<R> {
     /// The step before: its events and sizes.
     previous: Option<Recording>,
     active: Option<Active<R>>,
-    /// Earlier regions with planned allocations still live.
-    draining: Vec<Region<R>>,
+    /// Regions given up with planned allocations still live in them, for
+    /// the pool to split ([`Steps::take_splits`]).
+    splitting: Vec<Region<R>>,
+    /// Planned allocations whose region was given up: now the part of it
+    /// the pool split off for each, freed as heap allocations.
+    converted: HashMap<u64, Converted<R>>,
     /// Regions nothing lives in any more, for the pool to free
     /// ([`Steps::take_retired`]).
     retired: Vec<R>,
@@ -176,7 +206,8 @@ impl<R> Steps<R> {
             current: Recording::default(),
             previous: None,
             active: None,
-            draining: Vec::new(),
+            splitting: Vec::new(),
+            converted: HashMap::new(),
             retired: Vec::new(),
             pending: None,
             counters: StepCounters::default(),
@@ -192,7 +223,7 @@ impl<R> Steps<R> {
     }
 
     fn regions(&self) -> impl Iterator<Item = &Region<R>> {
-        self.active.iter().map(|a| &a.region).chain(&self.draining)
+        self.active.iter().map(|a| &a.region)
     }
 
     /// Where an allocation of `size` bytes (a multiple of the alignment)
@@ -259,14 +290,39 @@ impl<R> Steps<R> {
         }
     }
 
-    /// Gives a region up: to the pool at once if nothing lives in it, else
-    /// once its last planned allocation is freed.
+    /// Gives a region up to the pool: whole if nothing lives in it, else
+    /// split around its live planned allocations, which become heap
+    /// allocations, so that the rest goes back to the heap at once.
     fn retire(&mut self, region: Region<R>) {
         if region.live.is_empty() {
             self.retired.push(region.memory);
         } else {
-            self.draining.push(region);
+            self.splitting.push(region);
         }
+    }
+
+    /// The regions to split, each with its live planned allocations
+    /// (address and bytes, in address order): the pool splits each at
+    /// their edges, frees the rest and hands each one's part to
+    /// [`Steps::adopt`].
+    pub(crate) fn take_splits(&mut self) -> Vec<Split<R>> {
+        self.splitting
+            .drain(..)
+            .map(|r| Split {
+                memory: r.memory,
+                live: r
+                    .live
+                    .into_iter()
+                    .map(|(at, l)| (at, l.end - at, l))
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The part of a split region that holds the planned allocation at
+    /// `at`, now a heap allocation of the pool's.
+    pub(crate) fn adopt(&mut self, at: u64, memory: R, live: Live) {
+        self.converted.insert(at, Converted { memory, live });
     }
 
     /// Whether a stream is the layout's (none since a quiet step).
@@ -292,33 +348,36 @@ impl<R> Steps<R> {
         self.regions().any(|r| r.live.contains_key(&ptr))
     }
 
-    /// An allocation at `ptr` is freed. Returns whether it was planned, in
-    /// which case the pool has nothing more to do.
-    pub(crate) fn free(&mut self, ptr: u64) -> bool {
+    /// An allocation at `ptr` is freed: what the pool does with it.
+    pub(crate) fn free(&mut self, ptr: u64) -> Freed<R> {
         if let Some(ordinal) = self.current.from_heap.remove(&ptr) {
             self.record(Event::Free(ordinal));
-            return false;
+            return Freed::Heap;
+        }
+        if let Some(c) = self.converted.remove(&ptr) {
+            self.record_free(c.live);
+            return Freed::Split(c.memory);
         }
         let Some(region) = self
             .active
             .as_mut()
             .map(|a| &mut a.region)
             .filter(|r| r.contains(ptr))
-            .or_else(|| self.draining.iter_mut().find(|r| r.contains(ptr)))
         else {
-            return false;
+            return Freed::Heap;
         };
         let Some(live) = region.live.remove(&ptr) else {
-            return false;
+            return Freed::Heap;
         };
-        if let Some(i) = self.draining.iter().position(|r| r.live.is_empty()) {
-            let drained = self.draining.swap_remove(i);
-            self.retired.push(drained.memory);
-        }
+        self.record_free(live);
+        Freed::Planned
+    }
+
+    /// Records the free of a planned allocation, if it is this step's.
+    fn record_free(&mut self, live: Live) {
         if live.step == self.counters.steps {
             self.record(Event::Free(live.ordinal));
         }
-        true
     }
 
     /// Ends a step. A step gets a new layout when it had the events of the

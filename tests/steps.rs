@@ -333,6 +333,45 @@ pub fn a_step_that_does_more_at_its_end_keeps_its_layout<B: TestBackend>(b: &Arc
     pool.audit().unwrap();
 }
 
+pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    for _ in 0..3 {
+        step(b.as_ref(), &pool, &s, 2);
+        pool.mark_step().unwrap();
+    }
+    let region = pool.step_counters().region_bytes;
+    assert!(region > 20 * MIB, "{region}");
+    let (reserved, planned) = (pool.stats().reserved_bytes, pool.step_counters().planned);
+    // The step's first two allocations take their slots and live on; the
+    // third call is not the layout's (it frees the second there).
+    let kept: Vec<(Allocation, u32)> = (0..2u32)
+        .map(|i| {
+            let a = pool.allocate_async(2 * MIB, &s).unwrap();
+            mark_ends(b.as_ref(), &s, &a, 0xC0 + i);
+            (a, 0xC0 + i)
+        })
+        .collect();
+    assert_eq!(pool.step_counters().planned, planned + 2);
+    let other = pool.allocate_async(MIB, &s).unwrap();
+    // The layout went, and its region with it but for the two: the rest is
+    // the heap's at once, which serves a large allocation without growing.
+    assert_eq!(pool.step_counters().region_bytes, 0);
+    let large = pool.allocate_async(region - 8 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, reserved, "the pool grew");
+    for (a, word) in kept {
+        check_ends(b.as_ref(), &s, &a, word);
+        pool.free_async(a, &s).unwrap();
+    }
+    pool.free_async(other, &s).unwrap();
+    pool.free_async(large, &s).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+    assert_eq!(pool.stats().used_bytes, 0);
+}
+
 pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -351,6 +390,7 @@ suites!(
     a_step_that_goes_another_way_gives_its_region_back,
     a_trim_gives_an_idle_layout_back,
     a_quiet_stream_hands_the_layout_on,
+    a_region_given_up_around_live_allocations_goes_back_at_once,
     a_step_that_does_more_at_its_end_keeps_its_layout,
     marking_a_sleeping_pool_is_refused,
 );

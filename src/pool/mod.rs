@@ -5,7 +5,7 @@
 //! ```text
 //!   Pool ─ Shared (outside the lock: id, size limit, recorder, exports, device)
 //!            └ Mutex<Inner>
-//!                arenas   Arenas   a heap per arena (heap.rs): where allocations go
+//!                arenas   Arenas   a heap per arena (heap/): where allocations go
 //!                space    Space    reservation, units, spares, aliases (space.rs)
 //!                streams  Streams  streams with frees pending here (ordering/)
 //!                guards   Guards   free ranges a stream may still touch (ordering/)

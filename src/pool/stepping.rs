@@ -13,7 +13,7 @@ use crate::allocation::Allocation;
 use crate::capture::Captures;
 use crate::heap::QUANTUM;
 use crate::ordering::{Pending, Stream, StreamShared};
-use crate::steps::{Placement, StepCounters, Steps};
+use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::Result;
 
@@ -36,13 +36,11 @@ impl<B: Backend> Stepping<B> {
             captures,
         }
     }
-
-    /// The regions given up, if any, and the stream to free them on.
-    fn retired(&mut self) -> Option<(Vec<Allocation>, Option<Stream<B>>)> {
-        let regions = self.steps.take_retired();
-        (!regions.is_empty()).then(|| (regions, self.stream.clone()))
-    }
 }
+
+/// Memory the layouts gave up, to free on the layout's stream once the
+/// steps' lock is let go: the work queued there may still use it.
+type GivenUp<B> = Option<(Vec<Allocation>, Option<Stream<B>>)>;
 
 impl<B: Backend> Pool<B> {
     /// Marks the end of a step of a program that repeats its work (a
@@ -64,18 +62,19 @@ impl<B: Backend> Pool<B> {
             r.step();
         }
         self.0.stepping.store(true, Ordering::Release);
-        let (wants, retired, stream) = {
+        let (wants, given_up, stream) = {
             let mut st = lock(&self.0.steps);
             let wants = st.steps.mark();
+            let given_up = self.given_up(&mut st);
             let stream = st.stream.clone();
             if !st.steps.has_stream() {
                 // The next step's first allocation picks the stream.
                 st.stream = None;
             }
-            (wants, st.steps.take_retired(), stream)
+            (wants, given_up, stream)
         };
         // Regions given up go first, so that a new one can take their place.
-        self.free_regions(retired, stream.as_ref());
+        self.free_given_up(given_up);
         let Some(len) = wants else {
             return Ok(());
         };
@@ -103,23 +102,67 @@ impl<B: Backend> Pool<B> {
     /// in stream order: asked for its unused memory, the pool counts an
     /// idle region as unused. Steps that repeat lay out again.
     pub(super) fn give_up_idle_layout(&self) {
-        let retired = {
+        let given_up = {
             let mut st = lock(&self.0.steps);
             st.steps.give_up_if_idle();
-            st.retired()
+            self.given_up(&mut st)
         };
-        if let Some((regions, stream)) = retired {
-            self.free_regions(regions, stream.as_ref());
-        }
+        self.free_given_up(given_up);
     }
 
-    /// Frees regions the layouts gave up, on the layout's stream: the
-    /// work queued there may still use what lay in them.
-    fn free_regions(&self, regions: Vec<Allocation>, stream: Option<&Stream<B>>) {
-        for region in regions {
-            match stream {
-                Some(s) => self.release_async(&region, s),
-                None => self.release(&region),
+    /// What the layouts gave up since the last call, under the steps' lock:
+    /// whole regions, and the parts of split ones that hold no planned
+    /// allocation. A region given up with planned allocations live in it is
+    /// split, under the pool's lock, into heap blocks at their edges; each
+    /// of theirs goes to the steps, to be freed when its allocation is.
+    fn given_up(&self, st: &mut Stepping<B>) -> GivenUp<B> {
+        let mut free = st.steps.take_retired();
+        for split in st.steps.take_splits() {
+            let region = split.memory;
+            let part = |at: u64, size: u64, block| Allocation {
+                ptr: vmm::DevicePtr(at),
+                size,
+                block_size: size,
+                arena: region.arena,
+                block,
+                pool: self.0.id,
+                trace_id: 0,
+                device: self.0.device,
+            };
+            let mut inner = self.lock();
+            let heap = &mut inner.arenas[region.arena].heap;
+            let end = region.ptr.0 + region.block_size;
+            // The part not yet split off, from `start`.
+            let (mut rest, mut start) = (Some(region.block), region.ptr.0);
+            for (at, size, live) in split.live {
+                let block = rest.expect("live allocations lie inside the region");
+                let block = if at > start {
+                    free.push(part(start, at - start, block));
+                    heap.split(block, at)
+                } else {
+                    block
+                };
+                rest = (at + size < end).then(|| heap.split(block, at + size));
+                start = at + size;
+                st.steps.adopt(at, part(at, size, block), live);
+            }
+            if let Some(block) = rest {
+                free.push(part(start, end - start, block));
+            }
+        }
+        (!free.is_empty()).then(|| (free, st.stream.clone()))
+    }
+
+    /// Frees what [`Pool::given_up`] returned, once the steps' lock is let
+    /// go.
+    fn free_given_up(&self, given_up: GivenUp<B>) {
+        let Some((parts, stream)) = given_up else {
+            return;
+        };
+        for part in parts {
+            match &stream {
+                Some(s) => self.release_async(&part, s),
+                None => self.release(&part),
             }
         }
     }
@@ -138,18 +181,16 @@ impl<B: Backend> Pool<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Allocation> {
         let id = stream.map(|s| s.id);
-        let (placement, retired) = {
+        let (placement, given_up) = {
             let mut st = lock(&self.0.steps);
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
             if st.stream.is_none() && placement != Placement::Heap(None) {
                 st.stream = stream.map(|s| Stream(Arc::clone(s)));
             }
-            (placement, st.retired())
+            (placement, self.given_up(&mut st))
         };
-        if let Some((regions, stream)) = retired {
-            self.free_regions(regions, stream.as_ref());
-        }
+        self.free_given_up(given_up);
         match placement {
             Placement::Planned(ptr) => {
                 let p = Pending {
@@ -173,23 +214,32 @@ impl<B: Backend> Pool<B> {
 
     /// A free once steps are marked; `stream`: the freeing stream (`None`:
     /// a synchronous free). Returns whether the allocation was planned, and
-    /// so is free now. A planned allocation freed on a stream other than
+    /// so is dealt with. A planned allocation freed on a stream other than
     /// the layout's waits for that stream first: the layout's stream takes
-    /// the slot again without an event to order it after the free.
+    /// the slot again without an event to order it after the free. One
+    /// whose region was split frees its part of it, as any allocation.
     pub(super) fn free_stepping(
         &self,
         allocation: &Allocation,
         stream: Option<&Stream<B>>,
     ) -> bool {
-        let (planned, retired) = {
+        let (freed, given_up) = {
             let mut st = lock(&self.0.steps);
-            let planned = self.free_in_steps(&mut st, allocation, stream);
-            (planned, st.retired())
+            let freed = self.free_in_steps(&mut st, allocation, stream);
+            (freed, self.given_up(&mut st))
         };
-        if let Some((regions, stream)) = retired {
-            self.free_regions(regions, stream.as_ref());
+        self.free_given_up(given_up);
+        match freed {
+            Freed::Heap => false,
+            Freed::Planned => true,
+            Freed::Split(part) => {
+                match stream {
+                    Some(s) => self.release_async(&part, s),
+                    None => self.release(&part),
+                }
+                true
+            }
         }
-        planned
     }
 
     /// [`Pool::free_stepping`] under the steps' lock.
@@ -198,7 +248,7 @@ impl<B: Backend> Pool<B> {
         st: &mut Stepping<B>,
         allocation: &Allocation,
         stream: Option<&Stream<B>>,
-    ) -> bool {
+    ) -> Freed<Allocation> {
         let ptr = allocation.ptr.0;
         let layout_stream = st.stream.as_ref().map(|s| s.0.id);
         if let Some(s) = stream.filter(|s| Some(s.0.id) != layout_stream) {
@@ -215,7 +265,7 @@ impl<B: Backend> Pool<B> {
                         }
                     };
                 if !waited {
-                    return true;
+                    return Freed::Planned;
                 }
             }
         }
