@@ -21,7 +21,9 @@
 //! ends the layout, and its region goes back to the pool at once, split
 //! around the planned allocations still live in it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
 
 use crate::layout::{lay_out, Lifetime};
 
@@ -38,7 +40,7 @@ struct Recording {
     events: Vec<Event>,
     sizes: Vec<u64>,
     /// Heap allocations of this step by address, to find their frees.
-    from_heap: HashMap<u64, u32>,
+    from_heap: FxHashMap<u64, u32>,
     /// Allocations that wanted their slot and did not get it.
     missed: u64,
     /// Its events went another way than the layout's, which then went:
@@ -189,7 +191,7 @@ pub(crate) struct Steps<R> {
     splitting: Vec<Region<R>>,
     /// Planned allocations whose region was given up: now the part of it
     /// the pool split off for each, freed as heap allocations.
-    converted: HashMap<u64, Converted<R>>,
+    converted: FxHashMap<u64, Converted<R>>,
     /// Regions nothing lives in any more, for the pool to free
     /// ([`Steps::take_retired`]).
     retired: Vec<R>,
@@ -207,7 +209,7 @@ impl<R> Steps<R> {
             previous: None,
             active: None,
             splitting: Vec::new(),
-            converted: HashMap::new(),
+            converted: FxHashMap::default(),
             retired: Vec::new(),
             pending: None,
             counters: StepCounters::default(),
@@ -306,6 +308,10 @@ impl<R> Steps<R> {
     /// their edges, frees the rest and hands each one's part to
     /// [`Steps::adopt`].
     pub(crate) fn take_splits(&mut self) -> Vec<Split<R>> {
+        if self.splitting.is_empty() {
+            // Every call asks: the common answer costs nothing.
+            return Vec::new();
+        }
         self.splitting
             .drain(..)
             .map(|r| Split {
@@ -350,11 +356,19 @@ impl<R> Steps<R> {
 
     /// An allocation at `ptr` is freed: what the pool does with it.
     pub(crate) fn free(&mut self, ptr: u64) -> Freed<R> {
-        if let Some(ordinal) = self.current.from_heap.remove(&ptr) {
+        // Most frees are of planned allocations: the maps, mostly empty,
+        // are looked in only when they hold something.
+        let from_heap = (!self.current.from_heap.is_empty())
+            .then(|| self.current.from_heap.remove(&ptr))
+            .flatten();
+        if let Some(ordinal) = from_heap {
             self.record(Event::Free(ordinal));
             return Freed::Heap;
         }
-        if let Some(c) = self.converted.remove(&ptr) {
+        let converted = (!self.converted.is_empty())
+            .then(|| self.converted.remove(&ptr))
+            .flatten();
+        if let Some(c) = converted {
             self.record_free(c.live);
             return Freed::Split(c.memory);
         }
