@@ -169,7 +169,7 @@ pub struct StepCounters {
     pub planned: u64,
     /// Allocations whose slot was too small or taken.
     pub missed: u64,
-    /// Bytes of the regions held.
+    /// Bytes of the layout's region.
     pub region_bytes: u64,
 }
 
@@ -219,13 +219,9 @@ impl<R> Steps<R> {
 
     pub(crate) fn counters(&self) -> StepCounters {
         StepCounters {
-            region_bytes: self.regions().map(|r| r.len).sum(),
+            region_bytes: self.active.as_ref().map_or(0, |a| a.region.len),
             ..self.counters
         }
-    }
-
-    fn regions(&self) -> impl Iterator<Item = &Region<R>> {
-        self.active.iter().map(|a| &a.region)
     }
 
     /// Where an allocation of `size` bytes (a multiple of the alignment)
@@ -351,7 +347,9 @@ impl<R> Steps<R> {
 
     /// Whether `ptr` is a live planned allocation.
     pub(crate) fn is_planned(&self, ptr: u64) -> bool {
-        self.regions().any(|r| r.live.contains_key(&ptr))
+        self.active
+            .as_ref()
+            .is_some_and(|a| a.region.live.contains_key(&ptr))
     }
 
     /// An allocation at `ptr` is freed: what the pool does with it.

@@ -160,10 +160,15 @@ impl<B: Backend> Pool<B> {
             return;
         };
         for part in parts {
-            match &stream {
-                Some(s) => self.release_async(&part, s),
-                None => self.release(&part),
-            }
+            self.release_on(&part, stream.as_ref());
+        }
+    }
+
+    /// Frees `part` in stream order on `stream`, or at once (`None`).
+    fn release_on(&self, part: &Allocation, stream: Option<&Stream<B>>) {
+        match stream {
+            Some(s) => self.release_async(part, s),
+            None => self.release(part),
         }
     }
 
@@ -233,10 +238,7 @@ impl<B: Backend> Pool<B> {
             Freed::Heap => false,
             Freed::Planned => true,
             Freed::Split(part) => {
-                match stream {
-                    Some(s) => self.release_async(&part, s),
-                    None => self.release(&part),
-                }
+                self.release_on(&part, stream);
                 true
             }
         }
