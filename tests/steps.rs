@@ -58,6 +58,14 @@ fn step<B: TestBackend>(b: &B, pool: &Pool<B>, s: &Stream<B>, k: u64) {
     }
 }
 
+/// `n` steps at scale `k` on `s`, each followed by a mark.
+fn marked_steps<B: TestBackend>(b: &B, pool: &Pool<B>, s: &Stream<B>, k: u64, n: usize) {
+    for _ in 0..n {
+        step(b, pool, s, k);
+        pool.mark_step().unwrap();
+    }
+}
+
 /// [`step`]; with `hold`, the first workspace is not freed but returned,
 /// filled with the word returned: a step that keeps what its layout
 /// expects to be freed.
@@ -120,10 +128,7 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(counters.layouts, 1);
     assert!(counters.region_bytes > 0);
     let maps = pool.stats().maps;
-    for _ in 0..5 {
-        step(b.as_ref(), &pool, &s, 1);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &s, 1, 5);
     let after = pool.step_counters();
     assert_eq!(pool.stats().maps, maps, "a laid-out step mapped chunks");
     assert_eq!(after.missed, 0);
@@ -215,10 +220,7 @@ pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Ar
     let pool = pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     pool.mark_step().unwrap();
-    for _ in 0..3 {
-        step(b.as_ref(), &pool, &s, 2);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &s, 2, 3);
     let region = pool.step_counters().region_bytes;
     assert!(region > 12 * MIB, "{region}");
     let reserved = pool.stats().reserved_bytes;
@@ -238,10 +240,7 @@ pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Ar
     assert!(grown <= 8 * MIB, "the other step grew the pool by {grown}");
     pool.mark_step().unwrap();
     // The training steps again: laid out once more after two of them.
-    for _ in 0..3 {
-        step(b.as_ref(), &pool, &s, 2);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &s, 2, 3);
     assert_eq!(pool.step_counters().layouts, 2);
     ctx.synchronize_stream(&s).unwrap();
     pool.audit().unwrap();
@@ -252,10 +251,7 @@ pub fn a_trim_gives_an_idle_layout_back<B: TestBackend>(b: &Arc<B>) {
     let pool = pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     let lay_out = || {
-        for _ in 0..3 {
-            step(b.as_ref(), &pool, &s, 2);
-            pool.mark_step().unwrap();
-        }
+        marked_steps(b.as_ref(), &pool, &s, 2, 3);
         assert!(pool.step_counters().region_bytes > 0);
     };
     pool.mark_step().unwrap();
@@ -285,18 +281,12 @@ pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
     let first = ctx.create_stream(DEV).unwrap();
     let second = ctx.create_stream(DEV).unwrap();
     pool.mark_step().unwrap();
-    for _ in 0..3 {
-        step(b.as_ref(), &pool, &first, 1);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &first, 1, 3);
     assert_eq!(pool.step_counters().layouts, 1);
     // The program moves to another stream. Its first step is not the
     // layout's stream's, which makes no allocation: the layout goes, and
     // the other stream's steps are laid out in their turn.
-    for _ in 0..4 {
-        step(b.as_ref(), &pool, &second, 1);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &second, 1, 4);
     let counters = pool.step_counters();
     assert_eq!(counters.layouts, 2);
     let planned = counters.planned;
@@ -312,10 +302,7 @@ pub fn a_step_that_does_more_at_its_end_keeps_its_layout<B: TestBackend>(b: &Arc
     let pool = pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     pool.mark_step().unwrap();
-    for _ in 0..3 {
-        step(b.as_ref(), &pool, &s, 1);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &s, 1, 3);
     // Every few steps, something more after the step's own work (a log,
     // a checkpoint): served by the heap, the layout kept.
     for _ in 0..3 {
@@ -338,10 +325,7 @@ pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBacken
     let pool = pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     pool.mark_step().unwrap();
-    for _ in 0..3 {
-        step(b.as_ref(), &pool, &s, 2);
-        pool.mark_step().unwrap();
-    }
+    marked_steps(b.as_ref(), &pool, &s, 2, 3);
     let region = pool.step_counters().region_bytes;
     assert!(region > 20 * MIB, "{region}");
     let (reserved, planned) = (pool.stats().reserved_bytes, pool.step_counters().planned);
