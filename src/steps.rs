@@ -57,6 +57,16 @@ struct Recording {
 /// the peak (docs/RESULTS.md, "Step layouts").
 const OVERSIZED_TENTHS: u64 = 11;
 
+/// A layout is made only if its region is at most this many hundredths of
+/// the largest peak any one step has needed. Each slot is as large as the
+/// largest size its ordinal has asked for, and when shapes vary apart (a
+/// sequence length in one step, a batch in another) those sizes never
+/// meet in one step: their layout holds more than the program ever needs
+/// at once, and the heap serves such steps better. Greedy layouts of one
+/// step's sizes come within 1.0061 of its peak (docs/RESULTS.md, "Step
+/// layouts").
+const SLACK_HUNDREDTHS: u64 = 102;
+
 /// The most allocations a step records: a program that marks one step and
 /// never another must not record forever. Some 40 MB of recording at most.
 const MAX_ALLOCATIONS: usize = 1 << 21;
@@ -198,6 +208,8 @@ pub(crate) struct Steps<R> {
     /// A layout waiting for its region.
     pending: Option<PendingLayout>,
     counters: StepCounters,
+    /// The largest peak any whole step has needed, at its own sizes.
+    largest_peak: u64,
     align: u64,
 }
 
@@ -213,6 +225,7 @@ impl<R> Steps<R> {
             retired: Vec::new(),
             pending: None,
             counters: StepCounters::default(),
+            largest_peak: 0,
             align,
         }
     }
@@ -243,7 +256,18 @@ impl<R> Steps<R> {
         };
         let slot = active.slots.get(ordinal as usize).copied().flatten();
         match slot {
-            Some(slot) if !capturing && size <= slot.size => {
+            Some(slot) if size > slot.size => {
+                // Larger than this ordinal has been: the steps outgrew the
+                // layout. Held beside the heap's growth for this and the
+                // other allocations that outgrow it, the region would cost
+                // its whole size on top of the step's peak; it goes back
+                // to the heap at once, and a repeat lays out again.
+                self.missed();
+                if let Some(active) = self.active.take() {
+                    self.retire(active.region);
+                }
+            }
+            Some(slot) if !capturing => {
                 let at = active.region.base + slot.offset;
                 if active.region.is_clear(at, size) {
                     let live = Live {
@@ -418,6 +442,10 @@ impl<R> Steps<R> {
                 .previous
                 .as_ref()
                 .is_some_and(|p| !p.overflowed && p.events == finished.events);
+        if whole {
+            let (own, _) = lifetimes(&finished.events, &finished.sizes, self.align);
+            self.largest_peak = self.largest_peak.max(peak(&own));
+        }
         // Over a run of repeating steps, each ordinal's largest size.
         let sizes: Vec<u64> = match &self.previous {
             Some(previous) if repeats => finished
@@ -433,8 +461,10 @@ impl<R> Steps<R> {
             finished.missed == 0 && a.region.len * 10 <= peak(&lifetimes) * OVERSIZED_TENTHS
         });
         let mut wants = None;
-        if repeats && !fitted {
-            let (slots, len) = self.lay_out(&finished.events, &sizes);
+        let laid_out = (repeats && !fitted)
+            .then(|| self.lay_out(&finished.events, &sizes))
+            .flatten();
+        if let Some((slots, len)) = laid_out {
             wants = Some(len);
             self.pending = Some(PendingLayout {
                 slots,
@@ -452,6 +482,7 @@ impl<R> Steps<R> {
             diverged = finished.diverged,
             repeats,
             fitted,
+            largest_peak = self.largest_peak,
             lays_out = ?wants,
             "step marked"
         );
@@ -465,10 +496,20 @@ impl<R> Steps<R> {
     }
 
     /// Slots for the allocations of `events` freed within the step, sized
-    /// `sizes`, and the region's length.
-    fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> (Vec<Option<Slot>>, u64) {
+    /// `sizes`, and the region's length; `None` if the region would be
+    /// more than [`SLACK_HUNDREDTHS`] of the largest peak a step has
+    /// needed (checked on the sizes' own peak first, which no layout is
+    /// below, so that steps of shapes that vary apart cost no layout).
+    fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> Option<(Vec<Option<Slot>>, u64)> {
         let (lifetimes, ordinals) = lifetimes(events, sizes, self.align);
+        let within = |len: u64| len * 100 <= self.largest_peak * SLACK_HUNDREDTHS;
+        if !within(peak(&lifetimes)) {
+            return None;
+        }
         let layout = lay_out(&lifetimes, self.align);
+        if !within(layout.len) {
+            return None;
+        }
         let mut slots = vec![None; sizes.len()];
         for ((o, offset), l) in ordinals.iter().zip(layout.offsets).zip(&lifetimes) {
             slots[*o as usize] = Some(Slot {
@@ -477,7 +518,7 @@ impl<R> Steps<R> {
             });
         }
         self.counters.layouts += 1;
-        (slots, layout.len)
+        Some((slots, layout.len))
     }
 
     /// The region the last mark asked for, allocated at `base`.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, Error, Pool, PoolProps, SleepLevel, Stream};
+use vmpool::{Allocation, Context, Error, Pool, PoolAttribute, PoolProps, SleepLevel, Stream};
 
 #[allow(dead_code)]
 mod common;
@@ -160,6 +160,70 @@ pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>)
     assert_eq!(pool.step_counters().layouts, layouts);
     ctx.synchronize_stream(&s).unwrap();
     pool.audit().unwrap();
+}
+
+/// A transformer-like step whose tensors scale with a batch and a
+/// sequence length drawn apart under a token budget (`batch * seq` = 4):
+/// activations with the tokens, a per-sample buffer with the batch,
+/// attention scores with the square of the length. Its events are the
+/// same at every shape.
+fn budget_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, batch: u64, seq: u64) {
+    let mut live = Vec::new();
+    for layer in 0..6 {
+        live.push(
+            pool.allocate_async(batch * seq * MIB + layer * 4 * KIB, s)
+                .unwrap(),
+        );
+        live.push(pool.allocate_async(batch * 2 * MIB, s).unwrap());
+        let scores = pool.allocate_async(seq * seq * MIB / 2, s).unwrap();
+        live.push(pool.allocate_async(MIB, s).unwrap());
+        pool.free_async(scores, s).unwrap();
+    }
+    while let Some(a) = live.pop() {
+        pool.free_async(a, s).unwrap();
+    }
+}
+
+/// The peak reserved bytes of `shapes` run as [`budget_step`]s, each
+/// followed by a mark if `marked`.
+fn budget_run<B: TestBackend>(b: &Arc<B>, shapes: &[(u64, u64)], marked: bool) -> u64 {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    for &(batch, seq) in shapes {
+        budget_step(&pool, &s, batch, seq);
+        if marked {
+            pool.mark_step().unwrap();
+        }
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+    pool.attribute(PoolAttribute::ReservedMemHigh)
+}
+
+pub fn shapes_that_vary_apart_are_not_laid_out<B: TestBackend>(b: &Arc<B>) {
+    // Two alike steps first: laid out, then outgrown by the next shape.
+    let shapes = [
+        (4, 1),
+        (4, 1),
+        (1, 4),
+        (2, 2),
+        (1, 4),
+        (4, 1),
+        (4, 1),
+        (2, 2),
+        (1, 4),
+        (1, 4),
+    ];
+    let shapes: Vec<_> = shapes.iter().cycle().take(30).copied().collect();
+    let heap = budget_run(b, &shapes, false);
+    let marked = budget_run(b, &shapes, true);
+    // The largest slot of each ordinal, laid out together: 20 MiB a
+    // layer, where no step needs more than 14.
+    assert!(
+        marked * 100 <= heap * 102,
+        "marked steps reserved {marked} bytes at their peak, the heap alone {heap}"
+    );
 }
 
 pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
@@ -369,6 +433,7 @@ pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
 suites!(
     a_repeated_step_maps_nothing,
     steps_of_changing_sizes_settle_at_the_largest,
+    shapes_that_vary_apart_are_not_laid_out,
     what_outlives_its_step_stays_intact,
     steps_that_never_repeat_give_their_region_back,
     a_step_that_goes_another_way_gives_its_region_back,
