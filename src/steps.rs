@@ -143,8 +143,12 @@ struct Converted<R> {
 pub(crate) enum Freed<R> {
     /// Not planned: the heap's, as any allocation.
     Heap,
-    /// A planned allocation, free now: nothing more to do.
+    /// A planned allocation, free now: its slot is idle again.
     Planned,
+    /// A planned allocation whose slot stays taken: the pool could not
+    /// order the slot's reuse after the free (its stream could not be
+    /// waited for).
+    Kept,
     /// A planned allocation whose region was split: free this part of it.
     Split(R),
 }

@@ -138,6 +138,32 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
+    let run = |marked: bool| {
+        let ctx = Context::new(Arc::clone(b)).unwrap();
+        let pool = pool(&ctx);
+        let s = ctx.create_stream(DEV).unwrap();
+        for _ in 0..6 {
+            step(b.as_ref(), &pool, &s, 2);
+            if marked {
+                pool.mark_step().unwrap();
+            }
+        }
+        ctx.synchronize_stream(&s).unwrap();
+        pool.audit().unwrap();
+        let region = pool.step_counters().region_bytes;
+        assert_eq!(region > 0, marked);
+        // Between steps the region is idle: nothing of it is used.
+        assert_eq!(pool.stats().used_bytes, 0, "marked: {marked}");
+        pool.attribute(PoolAttribute::UsedMemHigh)
+    };
+    assert_eq!(
+        run(true),
+        run(false),
+        "the high-water marks of used bytes differ"
+    );
+}
+
 pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -185,8 +211,8 @@ fn budget_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, batch: u64, seq: u
 }
 
 /// The peak reserved bytes of `shapes` run as [`budget_step`]s, each
-/// followed by a mark if `marked`.
-fn budget_run<B: TestBackend>(b: &Arc<B>, shapes: &[(u64, u64)], marked: bool) -> u64 {
+/// followed by a mark if `marked`, and the peak used bytes.
+fn budget_run<B: TestBackend>(b: &Arc<B>, shapes: &[(u64, u64)], marked: bool) -> (u64, u64) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
@@ -198,7 +224,10 @@ fn budget_run<B: TestBackend>(b: &Arc<B>, shapes: &[(u64, u64)], marked: bool) -
     }
     ctx.synchronize_stream(&s).unwrap();
     pool.audit().unwrap();
-    pool.attribute(PoolAttribute::ReservedMemHigh)
+    (
+        pool.attribute(PoolAttribute::ReservedMemHigh),
+        pool.attribute(PoolAttribute::UsedMemHigh),
+    )
 }
 
 pub fn shapes_that_vary_apart_are_not_laid_out<B: TestBackend>(b: &Arc<B>) {
@@ -216,13 +245,17 @@ pub fn shapes_that_vary_apart_are_not_laid_out<B: TestBackend>(b: &Arc<B>) {
         (1, 4),
     ];
     let shapes: Vec<_> = shapes.iter().cycle().take(30).copied().collect();
-    let heap = budget_run(b, &shapes, false);
-    let marked = budget_run(b, &shapes, true);
+    let (heap, heap_used) = budget_run(b, &shapes, false);
+    let (marked, marked_used) = budget_run(b, &shapes, true);
     // The largest slot of each ordinal, laid out together: 20 MiB a
     // layer, where no step needs more than 14.
     assert!(
         marked * 100 <= heap * 102,
         "marked steps reserved {marked} bytes at their peak, the heap alone {heap}"
+    );
+    assert_eq!(
+        marked_used, heap_used,
+        "a layout's unused bytes counted as used"
     );
 }
 
@@ -432,6 +465,7 @@ pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
 
 suites!(
     a_repeated_step_maps_nothing,
+    a_layout_counts_only_what_the_program_holds,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,
     what_outlives_its_step_stays_intact,

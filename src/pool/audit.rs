@@ -35,7 +35,7 @@ pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
         frees_merged: ordering.frees_merged,
         events_recorded: ordering.events_recorded,
         reserved_bytes: inner.space.reserved(),
-        used_bytes: inner.live_bytes(),
+        used_bytes: inner.used_bytes(),
         mapped_bytes: inner.space.mapped_bytes(),
         spare_bytes: inner.space.spare_bytes(),
         units: inner.space.units().len() as u64,

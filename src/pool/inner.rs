@@ -1,6 +1,7 @@
 //! What a pool keeps under its lock, and the allocation path that takes it:
 //! the heaps, other streams' frees as the reuse rules allow, then growth.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vmm::{Backend, ErrorKind};
@@ -13,6 +14,7 @@ use crate::props::Defragment;
 use crate::space::Space;
 use crate::{Error, Result};
 
+use super::recording::Purpose;
 use super::sleep::{Retention, Slumber};
 
 /// How many of a stream's latest small frees (small-arena blocks) stay
@@ -58,11 +60,21 @@ pub(super) struct CallCounters {
 
 /// Bytes of live allocations as the lock counts them (Note [Usage credit]
 /// in docs/DESIGN.md).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Default)]
 pub(super) struct Usage {
-    /// Live bytes, less the frees the streams' hot paths have not yet
-    /// settled here.
+    /// Live heap bytes, less the frees the streams' hot paths have not yet
+    /// settled here. A step layout's region is one heap allocation.
     pub(super) used: u64,
+    /// Bytes of step layouts' regions that no planned allocation holds:
+    /// allocated in the heap, not by the program (Note [Step layouts]).
+    pub(super) idle: u64,
+    /// Bytes of planned allocations freed since the lock last counted
+    /// them, idle again: a planned free adds them without this lock
+    /// (holding the steps' own), and [`Inner::settle`] moves them into
+    /// `idle`. They only lower the used bytes, so counting them late never
+    /// raises the high-water mark.
+    pub(super) planned_frees: Arc<AtomicU64>,
+    /// The most bytes the program has held: `used - idle` at its highest.
     pub(super) used_high: u64,
 }
 
@@ -100,13 +112,17 @@ impl<B: Backend> Inner<B> {
         streams: Streams<B>,
         defragment: Defragment,
         pool: u64,
+        planned_frees: Arc<AtomicU64>,
     ) -> Self {
         Self {
             arenas,
             space,
             streams,
             guards: Guards::default(),
-            usage: Usage::default(),
+            usage: Usage {
+                planned_frees,
+                ..Usage::default()
+            },
             release_threshold: 0,
             defragment,
             pool,
@@ -140,16 +156,42 @@ impl<B: Backend> Inner<B> {
         self.usage.used - self.streams.credit()
     }
 
-    /// Moves every stream's credit into `used` (Note [Usage credit]).
+    /// Moves every stream's credit into `used` (Note [Usage credit]), and
+    /// the planned frees into `idle`.
     pub(super) fn settle(&mut self) {
         self.usage.used -= self.streams.settle();
+        self.usage.idle += self.usage.planned_frees.swap(0, Ordering::Acquire);
     }
 
-    /// Counts an allocation of `size` bytes made under this lock.
-    pub(super) fn count_used(&mut self, size: u64) {
+    /// Bytes the program holds: [`Inner::live_bytes`] less the idle bytes
+    /// of step layouts' regions.
+    pub(super) fn used_bytes(&self) -> u64 {
+        let idle = self.usage.idle + self.usage.planned_frees.load(Ordering::Acquire);
+        self.live_bytes().saturating_sub(idle)
+    }
+
+    /// Counts a heap allocation of `size` bytes made under this lock: the
+    /// program's, or a step layout's region, idle until planned
+    /// allocations take its bytes ([`Inner::count_planned`]).
+    pub(super) fn count_used(&mut self, size: u64, purpose: Purpose) {
         self.settle();
         self.usage.used += size;
-        self.usage.used_high = self.usage.used_high.max(self.usage.used);
+        match purpose {
+            Purpose::Program => self.raise_high(),
+            Purpose::Region => self.usage.idle += size,
+        }
+    }
+
+    /// Counts a planned allocation of `size` bytes, in a region's bytes.
+    pub(super) fn count_planned(&mut self, size: u64) {
+        self.settle();
+        self.usage.idle -= size;
+        self.raise_high();
+    }
+
+    fn raise_high(&mut self) {
+        let held = self.usage.used.saturating_sub(self.usage.idle);
+        self.usage.used_high = self.usage.used_high.max(held);
     }
 
     pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {

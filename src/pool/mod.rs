@@ -47,7 +47,7 @@ use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
 use inner::Inner;
-use recording::Traced;
+use recording::Purpose;
 pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
 use stepping::Stepping;
 
@@ -181,6 +181,7 @@ impl<B: Backend> Pool<B> {
             None => None,
         };
         let streams = Streams::new(id, Arc::clone(backend), Arc::clone(captures));
+        let planned_frees = Arc::new(AtomicU64::new(0));
         let shared = Arc::new(Shared {
             id,
             va_size,
@@ -189,12 +190,19 @@ impl<B: Backend> Pool<B> {
             device,
             backend: Arc::clone(backend),
             shareable,
-            inner: Mutex::new(Inner::new(arenas, space, streams, props.defragment, id)),
+            inner: Mutex::new(Inner::new(
+                arenas,
+                space,
+                streams,
+                props.defragment,
+                id,
+                Arc::clone(&planned_frees),
+            )),
             siblings: Arc::downgrade(siblings),
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
-            steps: Mutex::new(Stepping::new(Arc::clone(captures))),
+            steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
         });
         let mut list = lock(siblings);
         list.retain(WeakPool::is_alive);
@@ -373,7 +381,7 @@ impl<B: Backend> Pool<B> {
         if self.0.stepping.load(Ordering::Acquire) {
             return self.allocate_stepping(size, rounded, stream);
         }
-        self.allocate_from_heap(size, rounded, stream, Traced::Yes)
+        self.allocate_from_heap(size, rounded, stream, Purpose::Program)
     }
 
     /// An allocation from the heap: the stream's own frees, then the
@@ -384,16 +392,16 @@ impl<B: Backend> Pool<B> {
         size: u64,
         rounded: u64,
         stream: Option<&Arc<StreamShared<B>>>,
-        traced: Traced,
+        purpose: Purpose,
     ) -> Result<Allocation> {
         if let Some(s) = stream {
             // The hot path: memory this stream freed, reused in its order,
             // without the pool's lock.
             if let Some(p) = s.reuse(self.0.id, rounded) {
-                return Ok(self.hand_out(size, p, s.id, traced));
+                return Ok(self.hand_out(size, p, s.id, purpose));
             }
         }
-        self.allocate_locked(size, rounded, stream, traced)
+        self.allocate_locked(size, rounded, stream, purpose)
     }
 
     /// [`Pool::allocate_with`] under the pool's lock: the heap, other
@@ -405,16 +413,16 @@ impl<B: Backend> Pool<B> {
         size: u64,
         rounded: u64,
         stream: Option<&Arc<StreamShared<B>>>,
-        traced: Traced,
+        purpose: Purpose,
     ) -> Result<Allocation> {
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
             match inner.allocate(rounded, stream) {
                 Ok(p) => {
-                    inner.count_used(p.size);
+                    inner.count_used(p.size, purpose);
                     drop(inner);
-                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), traced));
+                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), purpose));
                 }
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
@@ -438,7 +446,7 @@ impl<B: Backend> Pool<B> {
                         device: self.0.device,
                         requested: size,
                         reserved: inner.space.reserved(),
-                        used: inner.live_bytes(),
+                        used: inner.used_bytes(),
                         device_free,
                     });
                 }
@@ -476,7 +484,7 @@ impl<B: Backend> Pool<B> {
     }
 
     #[inline(always)]
-    fn hand_out(&self, size: u64, p: Pending, stream: u64, traced: Traced) -> Allocation {
+    fn hand_out(&self, size: u64, p: Pending, stream: u64, purpose: Purpose) -> Allocation {
         tracing::trace!(
             pool = self.0.id,
             ptr = format_args!("{:#x}", p.ptr),
@@ -484,7 +492,7 @@ impl<B: Backend> Pool<B> {
             "allocate"
         );
         let trace_id = match &self.0.recorder {
-            Some(r) if traced == Traced::Yes => r.allocation(size, stream),
+            Some(r) if purpose == Purpose::Program => r.allocation(size, stream),
             _ => 0,
         };
         Allocation {
@@ -596,7 +604,7 @@ impl<B: Backend> Pool<B> {
             }
             PoolAttribute::ReservedMemCurrent => inner.space.reserved(),
             PoolAttribute::ReservedMemHigh => inner.space.reserved_high(),
-            PoolAttribute::UsedMemCurrent => inner.live_bytes(),
+            PoolAttribute::UsedMemCurrent => inner.used_bytes(),
             PoolAttribute::UsedMemHigh => inner.usage.used_high,
         }
     }
@@ -632,7 +640,7 @@ impl<B: Backend> Pool<B> {
             PoolAttribute::ReservedMemHigh => inner.space.reset_reserved_high(),
             PoolAttribute::UsedMemHigh => {
                 inner.settle();
-                inner.usage.used_high = inner.usage.used;
+                inner.usage.used_high = inner.used_bytes();
             }
             PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
                 return Err(invalid("read-only"))
@@ -668,7 +676,7 @@ impl<B: Backend> Drop for Shared<B> {
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         let waited = inner.wait_for_pending_frees();
-        let used = inner.live_bytes();
+        let used = inner.used_bytes();
         if used > 0 || (!waited && !inner.streams.is_empty()) {
             tracing::warn!(
                 pool = self.id,

@@ -11,12 +11,13 @@ use crate::{Error, Result};
 
 use super::Pool;
 
-/// Whether an allocation goes in the pool's recorded trace: the
-/// program's do; the pool's own, a step layout's region, do not.
+/// Whose an allocation is. The program's go in the pool's recorded trace
+/// and count as used bytes; a step layout's region does neither: the
+/// planned allocations in it do (Note [Step layouts]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Traced {
-    Yes,
-    No,
+pub(super) enum Purpose {
+    Program,
+    Region,
 }
 
 impl<B: Backend> Pool<B> {

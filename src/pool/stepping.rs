@@ -4,7 +4,7 @@
 //! region laid out for them, so that the step takes no heap block, grows
 //! nothing and remaps nothing.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vmm::Backend;
@@ -17,7 +17,7 @@ use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::Result;
 
-use super::{Pool, Traced};
+use super::{Pool, Purpose};
 
 /// The layouts and the stream they serve.
 pub(super) struct Stepping<B: Backend> {
@@ -26,14 +26,18 @@ pub(super) struct Stepping<B: Backend> {
     /// for synchronous calls): regions are allocated and freed on it.
     stream: Option<Stream<B>>,
     captures: Arc<Captures>,
+    /// The pool's count of planned bytes freed, idle again, that its lock
+    /// has not yet counted (`Usage::planned_frees`).
+    planned_frees: Arc<AtomicU64>,
 }
 
 impl<B: Backend> Stepping<B> {
-    pub(super) fn new(captures: Arc<Captures>) -> Self {
+    pub(super) fn new(captures: Arc<Captures>, planned_frees: Arc<AtomicU64>) -> Self {
         Self {
             steps: Steps::new(QUANTUM),
             stream: None,
             captures,
+            planned_frees,
         }
     }
 }
@@ -79,7 +83,9 @@ impl<B: Backend> Pool<B> {
             return Ok(());
         };
         let rounded = len.next_multiple_of(QUANTUM);
-        match self.allocate_from_heap(len, rounded, stream.as_ref().map(|s| &s.0), Traced::No) {
+        // Under the lock, not from the stream's own frees, so that its
+        // bytes are counted idle as it is made.
+        match self.allocate_locked(len, rounded, stream.as_ref().map(|s| &s.0), Purpose::Region) {
             Ok(region) => {
                 let base = region.ptr.0;
                 lock(&self.0.steps).steps.install(base, region);
@@ -159,9 +165,15 @@ impl<B: Backend> Pool<B> {
         let Some((parts, stream)) = given_up else {
             return;
         };
-        for part in parts {
-            self.release_on(&part, stream.as_ref());
+        for part in &parts {
+            self.release_on(part, stream.as_ref());
         }
+        // Freed, they are no longer idle region bytes; counted after the
+        // frees, so that the program's bytes are never overstated.
+        let freed: u64 = parts.iter().map(|p| p.block_size).sum();
+        let mut inner = self.lock();
+        inner.settle();
+        inner.usage.idle -= freed;
     }
 
     /// Frees `part` in stream order on `stream`, or at once (`None`).
@@ -205,10 +217,12 @@ impl<B: Backend> Pool<B> {
                     size: rounded,
                     seq: 0,
                 };
-                Ok(self.hand_out(size, p, id.unwrap_or(0), Traced::Yes))
+                self.lock().count_planned(rounded);
+                Ok(self.hand_out(size, p, id.unwrap_or(0), Purpose::Program))
             }
             Placement::Heap(ordinal) => {
-                let allocation = self.allocate_from_heap(size, rounded, stream, Traced::Yes)?;
+                let allocation =
+                    self.allocate_from_heap(size, rounded, stream, Purpose::Program)?;
                 if let Some(o) = ordinal {
                     lock(&self.0.steps).steps.went_to_heap(o, allocation.ptr.0);
                 }
@@ -231,12 +245,18 @@ impl<B: Backend> Pool<B> {
         let (freed, given_up) = {
             let mut st = lock(&self.0.steps);
             let freed = self.free_in_steps(&mut st, allocation, stream);
+            if let Freed::Planned = freed {
+                // Idle again, counted before a region this free gave up
+                // leaves the idle bytes; without the pool's lock.
+                st.planned_frees
+                    .fetch_add(allocation.block_size, Ordering::Release);
+            }
             (freed, self.given_up(&mut st))
         };
         self.free_given_up(given_up);
         match freed {
             Freed::Heap => false,
-            Freed::Planned => true,
+            Freed::Planned | Freed::Kept => true,
             Freed::Split(part) => {
                 self.release_on(&part, stream);
                 true
@@ -267,7 +287,7 @@ impl<B: Backend> Pool<B> {
                         }
                     };
                 if !waited {
-                    return Freed::Planned;
+                    return Freed::Kept;
                 }
             }
         }
