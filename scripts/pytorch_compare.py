@@ -183,8 +183,10 @@ def child(args):
         s = vmpool.stats()
         reserved, allocated = s["reserved_high"], s["used_high"]
         extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "chunks_released", "grows",
-                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos", "steps",
+                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos",
                                    "step_layouts", "planned", "missed", "step_region_bytes")}
+        # vmpool's count of marks, apart from the run's "steps" below.
+        extra["step_marks"] = s["steps"]
     else:
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         extra = {}
