@@ -4,10 +4,11 @@
 //! as possible. No driver, no pool state: tested on its own. See Note
 //! [Step layouts] in docs/DESIGN.md.
 //!
-//! The heuristic is greedy by size (Pisarchyk and Lee, "Efficient memory
-//! management for deep neural net inference", 2020): the largest
-//! allocation first, each at the best-fitting gap among those already
-//! placed that it meets in time.
+//! The heuristic is greedy (Pisarchyk and Lee, "Efficient memory
+//! management for deep neural net inference", 2020): in some order (by
+//! size, or by breadth: those alive at the busiest moments first), each
+//! allocation at the best-fitting gap among those already placed that it
+//! meets in time.
 //!
 //! ```text
 //!   offset ^   [ big, events 0..9 ]
@@ -50,28 +51,74 @@ const BUCKET: u32 = 128;
 /// Lays out `lifetimes`; every size must be a multiple of `align`, and so
 /// is every offset.
 ///
-/// Allocations of one size go in two orders, the earliest first and the
-/// longest-lived first, and the smaller layout is kept: neither wins on
-/// every recorded workload (docs/RESULTS.md, "Step layouts").
+/// Three orders are tried and the smallest layout kept, since none wins
+/// on every recorded workload (docs/RESULTS.md, "Step layouts"): by size,
+/// allocations of one size the earliest first or the longest-lived first;
+/// and by breadth (Pisarchyk and Lee's other greedy order), the
+/// allocations alive at the step's busiest moments first, which fills the
+/// peak before anything can leave a gap in it.
 pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64) -> Layout {
-    let earliest = lay_out_by(lifetimes, align, |l| (Reverse(l.size), l.start));
-    let longest = lay_out_by(lifetimes, align, |l| {
-        (Reverse(l.size), Reverse(l.end - l.start))
+    let breadth = breadths(lifetimes);
+    let l = |i: usize| &lifetimes[i];
+    let earliest = lay_out_by(lifetimes, align, |i| (Reverse(l(i).size), l(i).start));
+    let longest = lay_out_by(lifetimes, align, |i| {
+        (Reverse(l(i).size), Reverse(l(i).end - l(i).start))
     });
-    if longest.len < earliest.len {
-        longest
-    } else {
-        earliest
-    }
+    let busiest = lay_out_by(lifetimes, align, |i| {
+        (Reverse(breadth[i]), Reverse(l(i).size), l(i).start)
+    });
+    [earliest, longest, busiest]
+        .into_iter()
+        .min_by_key(|layout| layout.len)
+        .expect("three layouts")
 }
 
-/// Lays out greedily in the order of `key`.
-fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(&Lifetime) -> K) -> Layout {
+/// For each allocation, the most bytes live at any event of its
+/// lifetime: the live bytes summed per event, their maxima kept per
+/// [`BUCKET`] events, so that each lifetime reads its two end buckets
+/// event by event and those between whole.
+fn breadths(lifetimes: &[Lifetime]) -> Vec<u64> {
+    let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) as usize;
+    let mut change = vec![0i128; end + 1];
+    for l in lifetimes {
+        change[l.start as usize] += i128::from(l.size);
+        change[l.end as usize] -= i128::from(l.size);
+    }
+    let live: Vec<u64> = change[..end]
+        .iter()
+        .scan(0i128, |sum, c| {
+            *sum += c;
+            Some(*sum as u64)
+        })
+        .collect();
+    let bucket = BUCKET as usize;
+    let most: Vec<u64> = live
+        .chunks(bucket)
+        .map(|c| c.iter().copied().max().unwrap_or(0))
+        .collect();
+    lifetimes
+        .iter()
+        .map(|l| {
+            let (start, end) = (l.start as usize, l.end as usize);
+            let (first, last) = (start / bucket, (end - 1) / bucket);
+            if first == last {
+                return live[start..end].iter().copied().max().unwrap_or(0);
+            }
+            let head = live[start..(first + 1) * bucket].iter();
+            let tail = live[last * bucket..end].iter();
+            let whole = most[first + 1..last].iter();
+            head.chain(whole).chain(tail).copied().max().unwrap_or(0)
+        })
+        .collect()
+}
+
+/// Lays out greedily in the order of `key` (of an allocation's index).
+fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) -> K) -> Layout {
     debug_assert!(lifetimes
         .iter()
         .all(|l| l.size % align == 0 && l.start < l.end));
     let mut order: Vec<usize> = (0..lifetimes.len()).collect();
-    order.sort_by_key(|&i| key(&lifetimes[i]));
+    order.sort_by_key(|&i| key(i));
     let buckets = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) / BUCKET + 1;
     let mut placed: Vec<Vec<usize>> = vec![Vec::new(); buckets as usize];
     let mut offsets = vec![0; lifetimes.len()];
@@ -143,6 +190,24 @@ mod tests {
     }
 
     proptest! {
+        /// Against a count at every event, across bucket edges.
+        #[test]
+        fn breadths_are_the_most_live_in_each_lifetime(
+            spans in prop::collection::vec((1u64..64, 0u32..600, 1u32..400), 1..80)
+        ) {
+            let lifetimes: Vec<Lifetime> = spans
+                .iter()
+                .map(|&(size, start, span)| life(size, start, start + span))
+                .collect();
+            let live_at = |t: u32| -> u64 {
+                lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum()
+            };
+            for (l, got) in lifetimes.iter().zip(breadths(&lifetimes)) {
+                let want = (l.start..l.end).map(live_at).max().unwrap();
+                prop_assert_eq!(got, want);
+            }
+        }
+
         #[test]
         fn live_allocations_never_overlap(
             spans in prop::collection::vec((1u64..64, 0u32..400, 1u32..300), 1..120)
