@@ -259,6 +259,56 @@ pub fn shapes_that_vary_apart_are_not_laid_out<B: TestBackend>(b: &Arc<B>) {
     );
 }
 
+pub fn shapes_drawn_apart_settle_at_their_largest<B: TestBackend>(b: &Arc<B>) {
+    // Batch and length drawn apart each step, as GPT-2's training here: a
+    // layout of each allocation's largest size so far is refused until
+    // the largest shape has come, then holds every step.
+    let mut x: u64 = 12345;
+    let mut draw = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) % 4 + 1
+    };
+    let shapes: Vec<(u64, u64)> = (0..120).map(|_| (draw(), draw())).collect();
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let marked = pool(&ctx);
+    let heap = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    let mut settled = None;
+    for (i, &(batch, seq)) in shapes.iter().enumerate() {
+        budget_step(&heap, &s, batch, seq);
+        budget_step(&marked, &s, batch, seq);
+        marked.mark_step().unwrap();
+        if i == shapes.len() / 2 {
+            settled = Some((marked.stats().maps, marked.step_counters()));
+        }
+    }
+    let (maps, counters) = settled.unwrap();
+    let after = marked.step_counters();
+    assert_eq!(marked.stats().maps, maps, "the second half mapped chunks");
+    assert_eq!(after.missed, counters.missed, "the second half missed");
+    assert_eq!(after.layouts, counters.layouts);
+    let high = |p: &Pool<B>, a| p.attribute(a);
+    let (reserved, heap_reserved) = (
+        high(&marked, PoolAttribute::ReservedMemHigh),
+        high(&heap, PoolAttribute::ReservedMemHigh),
+    );
+    // With each slot as large as its largest so far, unchecked: 1.46
+    // times the heap's.
+    assert!(
+        reserved * 100 <= heap_reserved * 102,
+        "marked steps reserved {reserved} bytes at their peak, the heap alone {heap_reserved}"
+    );
+    assert_eq!(
+        high(&marked, PoolAttribute::UsedMemHigh),
+        high(&heap, PoolAttribute::UsedMemHigh)
+    );
+    ctx.synchronize_stream(&s).unwrap();
+    marked.audit().unwrap();
+    heap.audit().unwrap();
+}
+
 pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -468,6 +518,7 @@ suites!(
     a_layout_counts_only_what_the_program_holds,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,
+    shapes_drawn_apart_settle_at_their_largest,
     what_outlives_its_step_stays_intact,
     steps_that_never_repeat_give_their_region_back,
     a_step_that_goes_another_way_gives_its_region_back,
