@@ -198,14 +198,16 @@ impl<B: Backend> Pool<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Allocation> {
         let id = stream.map(|s| s.id);
-        let (placement, given_up) = {
+        let (placement, counted, given_up) = {
             let mut st = lock(&self.0.steps);
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
             if st.stream.is_none() && placement != Placement::Heap(None) {
                 st.stream = stream.map(|s| Stream(Arc::clone(s)));
             }
-            (placement, self.given_up(&mut st))
+            let counted = matches!(placement, Placement::Planned(_))
+                && spend_planned_frees(&st.planned_frees, rounded);
+            (placement, counted, self.given_up(&mut st))
         };
         self.free_given_up(given_up);
         match placement {
@@ -217,7 +219,9 @@ impl<B: Backend> Pool<B> {
                     size: rounded,
                     seq: 0,
                 };
-                self.lock().count_planned(rounded);
+                if !counted {
+                    self.lock().count_planned(rounded);
+                }
                 Ok(self.hand_out(size, p, id.unwrap_or(0), Purpose::Program))
             }
             Placement::Heap(ordinal) => {
@@ -293,4 +297,18 @@ impl<B: Backend> Pool<B> {
         }
         st.steps.free(ptr)
     }
+}
+
+/// Takes `size` bytes from the planned frees the pool's lock has not yet
+/// counted, if there are that many: the allocation then reuses bytes the
+/// program held since the lock last counted, so it cannot raise the
+/// high-water mark, and needs no lock to count it (as a stream's usage
+/// credit, Note [Usage credit]). In a laid-out step that makes no heap
+/// allocation, the last step's frees count every allocation of the next.
+fn spend_planned_frees(planned_frees: &AtomicU64, size: u64) -> bool {
+    planned_frees
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |freed| {
+            freed.checked_sub(size)
+        })
+        .is_ok()
 }
