@@ -503,6 +503,21 @@ pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBacken
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
+pub fn a_pool_dropped_with_an_idle_layout_gives_its_memory_back<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    let free = || b.mem_info(DEV).unwrap().free;
+    let before = free();
+    {
+        let pool = pool(&ctx);
+        pool.mark_step().unwrap();
+        marked_steps(b.as_ref(), &pool, &s, 1, 3);
+        assert!(pool.step_counters().region_bytes > 0);
+        ctx.synchronize_stream(&s).unwrap();
+    }
+    assert_eq!(free(), before, "the dropped pool kept memory mapped");
+}
+
 pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -526,6 +541,7 @@ suites!(
     a_quiet_stream_hands_the_layout_on,
     a_region_given_up_around_live_allocations_goes_back_at_once,
     a_step_that_does_more_at_its_end_keeps_its_layout,
+    a_pool_dropped_with_an_idle_layout_gives_its_memory_back,
     marking_a_sleeping_pool_is_refused,
 );
 
