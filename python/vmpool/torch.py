@@ -344,8 +344,11 @@ def mark_step(device: Device = None) -> None:
     in a row make the same allocations in the same order (sizes may
     differ), the pool lays them out in one region and serves every later
     step there: no driver call and no search, however long the program
-    runs. A step that does not fit goes to the pool's heap as before.
-    `stats()` counts `planned` and `missed` allocations."""
+    runs. A step that goes another way or outgrows the layout goes to the
+    pool's heap as before; shapes that vary apart (a long sequence in one
+    step, a large batch in another) are not laid out until one step has
+    needed about as much as the layout holds. `stats()` counts `planned`
+    and `missed` allocations."""
     _lib.mark_step(_index(device))
 
 

@@ -52,11 +52,13 @@ impl<B: Backend> Pool<B> {
     /// the same allocations and frees in the same order on one stream
     /// (sizes may differ), the pool lays them out in one region, and from
     /// then on serves them there: no driver call and no heap search for
-    /// them, however long the program runs. A step that does not fit the
-    /// layout is served by the heap as before; when it repeats, the layout
-    /// is made again, each allocation's slot as large as the largest it
-    /// has asked for. Without marks, nothing changes. See Note [Step
-    /// layouts] in docs/DESIGN.md.
+    /// them, however long the program runs. A step that goes another way
+    /// or outgrows the layout ends it, and the heap serves it as before;
+    /// when steps repeat, the layout is made again, each allocation's slot
+    /// as large as the largest it has asked for, unless that holds more
+    /// than 1.02 times what one step has needed (shapes that vary apart:
+    /// such steps stay on the heap). Without marks, nothing changes. See
+    /// Note [Step layouts] in docs/DESIGN.md.
     ///
     /// Fails if the pool sleeps, or if a new layout's region cannot be
     /// allocated (the steps then go on without one).
