@@ -120,6 +120,8 @@ fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) ->
     let mut order: Vec<usize> = (0..lifetimes.len()).collect();
     order.sort_by_key(|&i| key(i));
     let buckets = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) / BUCKET + 1;
+    // Each bucket's allocations in order of offset, so that an allocation
+    // within one bucket finds those it meets in order, with no sort.
     let mut placed: Vec<Vec<usize>> = vec![Vec::new(); buckets as usize];
     let mut offsets = vec![0; lifetimes.len()];
     // Which allocation last listed another as met: a stamp per allocation
@@ -129,8 +131,9 @@ fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) ->
     let mut len = 0;
     for &i in &order {
         let l = lifetimes[i];
+        let spanned = (l.start / BUCKET) as usize..=((l.end - 1) / BUCKET) as usize;
         met.clear();
-        for bucket in &placed[(l.start / BUCKET) as usize..=((l.end - 1) / BUCKET) as usize] {
+        for bucket in &placed[spanned.clone()] {
             for &j in bucket {
                 if seen[j] != i && l.meets(&lifetimes[j]) {
                     seen[j] = i;
@@ -138,10 +141,14 @@ fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) ->
                 }
             }
         }
-        offsets[i] = best_gap(&mut met, l.size);
+        if spanned.start() != spanned.end() {
+            met.sort_unstable();
+        }
+        offsets[i] = best_gap(&met, l.size);
         len = len.max(offsets[i] + l.size);
-        for bucket in &mut placed[(l.start / BUCKET) as usize..=((l.end - 1) / BUCKET) as usize] {
-            bucket.push(i);
+        for bucket in &mut placed[spanned] {
+            let at = bucket.partition_point(|&j| offsets[j] <= offsets[i]);
+            bucket.insert(at, i);
         }
     }
     debug_assert!(offsets.iter().all(|o| o % align == 0));
@@ -149,9 +156,9 @@ fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) ->
 }
 
 /// The start of the smallest gap of at least `size` between the ranges
-/// in `taken` (sorted here), or the end of the highest if none fits.
-fn best_gap(taken: &mut [(u64, u64)], size: u64) -> u64 {
-    taken.sort_unstable();
+/// in `taken` (in order of their starts), or the end of the highest if
+/// none fits.
+fn best_gap(taken: &[(u64, u64)], size: u64) -> u64 {
     let mut best: Option<(u64, u64)> = None;
     let mut end = 0;
     for &(lo, hi) in taken.iter() {
@@ -182,11 +189,11 @@ mod tests {
     #[test]
     fn the_smallest_gap_that_fits_is_taken() {
         // Gaps: 4..6 (2 bytes) and 8..14 (6 bytes), then the end at 16.
-        let taken = [(14, 16), (0, 4), (6, 8)];
-        assert_eq!(best_gap(&mut taken.clone(), 2), 4);
-        assert_eq!(best_gap(&mut taken.clone(), 4), 8);
-        assert_eq!(best_gap(&mut taken.clone(), 7), 16);
-        assert_eq!(best_gap(&mut [], 7), 0);
+        let taken = [(0, 4), (6, 8), (14, 16)];
+        assert_eq!(best_gap(&taken, 2), 4);
+        assert_eq!(best_gap(&taken, 4), 8);
+        assert_eq!(best_gap(&taken, 7), 16);
+        assert_eq!(best_gap(&[], 7), 0);
     }
 
     proptest! {
