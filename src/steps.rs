@@ -67,6 +67,13 @@ const OVERSIZED_TENTHS: u64 = 11;
 /// UNet's 1.0000; docs/RESULTS.md, "Step layouts").
 const SLACK_HUNDREDTHS: u64 = 102;
 
+/// After layouts that did not last their first step, each in a row, a
+/// layout waits for one more step alike, up to this many: steps whose
+/// shapes are drawn at random (ResNet-50 here) repeat the one before now
+/// and then and go another way at the next, and each layout made of them
+/// costs its placement and a region for nothing.
+const MOST_REPEATS_AWAITED: u32 = 8;
+
 /// The most allocations a step records: a program that marks one step and
 /// never another must not record forever. Some 40 MB of recording at most.
 const MAX_ALLOCATIONS: usize = 1 << 21;
@@ -121,6 +128,9 @@ struct Active<R> {
     /// layout only while its own events are these.
     events: Vec<Event>,
     region: Region<R>,
+    /// The marks made when it was installed: the step it serves first is
+    /// the one that ends at the next.
+    since: u64,
 }
 
 /// A region to split around its live planned allocations.
@@ -214,6 +224,10 @@ pub(crate) struct Steps<R> {
     counters: StepCounters,
     /// The largest peak any whole step has needed, at its own sizes.
     largest_peak: u64,
+    /// Steps in a row, up to the last marked, that repeated the one before.
+    repeated: u32,
+    /// Layouts in a row that ended in their first step.
+    short_lived: u32,
     align: u64,
 }
 
@@ -230,6 +244,8 @@ impl<R> Steps<R> {
             pending: None,
             counters: StepCounters::default(),
             largest_peak: 0,
+            repeated: 0,
+            short_lived: 0,
             align,
         }
     }
@@ -268,7 +284,7 @@ impl<R> Steps<R> {
                 // to the heap at once, and a repeat lays out again.
                 self.missed();
                 if let Some(active) = self.active.take() {
-                    self.retire(active.region);
+                    self.end(active);
                 }
             }
             Some(slot) if !capturing => {
@@ -312,8 +328,17 @@ impl<R> Steps<R> {
             // The program went another way: its memory is the heap's now,
             // as soon as nothing planned lives in it.
             self.current.diverged = true;
-            self.retire(active.region);
+            self.end(active);
         }
+    }
+
+    /// Ends a layout the steps left or outgrew, noting one that did not
+    /// last its first step.
+    fn end(&mut self, active: Active<R>) {
+        if active.since == self.counters.steps {
+            self.short_lived += 1;
+        }
+        self.retire(active.region);
     }
 
     /// Gives a region up to the pool: whole if nothing lives in it, else
@@ -428,6 +453,14 @@ impl<R> Steps<R> {
     /// layout's gives it up there and then: see [`Steps::record`].) The
     /// pool is asked for a new layout's region.
     pub(crate) fn mark(&mut self) -> Option<u64> {
+        if self
+            .active
+            .as_ref()
+            .is_some_and(|a| a.since == self.counters.steps)
+        {
+            // It served the whole step.
+            self.short_lived = 0;
+        }
         self.counters.steps += 1;
         let finished = std::mem::take(&mut self.current);
         if finished.sizes.is_empty() {
@@ -446,6 +479,7 @@ impl<R> Steps<R> {
                 .previous
                 .as_ref()
                 .is_some_and(|p| !p.overflowed && p.events == finished.events);
+        self.repeated = if repeats { self.repeated + 1 } else { 0 };
         if whole {
             let (own, _) = lifetimes(&finished.events, &finished.sizes, self.align);
             self.largest_peak = self.largest_peak.max(peak(&own));
@@ -465,7 +499,8 @@ impl<R> Steps<R> {
             finished.missed == 0 && a.region.len * 10 <= peak(&lifetimes) * OVERSIZED_TENTHS
         });
         let mut wants = None;
-        let laid_out = (repeats && !fitted)
+        let awaited = 1 + self.short_lived.min(MOST_REPEATS_AWAITED);
+        let laid_out = (repeats && !fitted && self.repeated >= awaited)
             .then(|| self.lay_out(&finished.events, &sizes))
             .flatten();
         if let Some((slots, len)) = laid_out {
@@ -486,6 +521,7 @@ impl<R> Steps<R> {
             diverged = finished.diverged,
             repeats,
             fitted,
+            short_lived = self.short_lived,
             largest_peak = self.largest_peak,
             lays_out = ?wants,
             "step marked"
@@ -538,6 +574,7 @@ impl<R> Steps<R> {
                 live: BTreeMap::new(),
                 memory,
             },
+            since: self.counters.steps,
         });
     }
 
