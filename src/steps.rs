@@ -112,10 +112,11 @@ impl<R> Region<R> {
     }
 
     /// Whether `[at, at + size)` is clear of live planned allocations.
+    /// They never overlap one another, so the last that starts before the
+    /// range ends is the one that ends last: if it ends by `at`, all do.
     fn is_clear(&self, at: u64, size: u64) -> bool {
-        let before = self.live.range(..=at).next_back();
-        let after = self.live.range(at..at + size).next();
-        before.is_none_or(|(_, l)| l.end <= at) && after.is_none()
+        let last = self.live.range(..at + size).next_back();
+        last.is_none_or(|(_, l)| l.end <= at)
     }
 }
 
