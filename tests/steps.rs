@@ -619,7 +619,8 @@ proptest! {
 
     /// Steps drawn from three templates, at random scales, some holding an
     /// allocation past their end or leaving one out: no allocation ever
-    /// overlaps a live one, and the pool's tables stay consistent.
+    /// overlaps a live one, the pool's tables stay consistent, and its
+    /// used bytes at their most are what the program held.
     #[test]
     fn model(steps in prop::collection::vec(model_step(), 4..16)) {
         let ctx = Context::new(common::host()).unwrap();
@@ -632,6 +633,10 @@ proptest! {
         ];
         let mut live: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
         let mut held: Vec<Allocation> = Vec::new();
+        // The bytes the program holds, as the pool rounds them, and their
+        // most: what its used bytes must say, layouts or not.
+        let counted = |a: &Allocation| a.size().next_multiple_of(256);
+        let (mut holds, mut most) = (0u64, 0u64);
         pool.mark_step().unwrap();
         for st in &steps {
             let mut made: Vec<(usize, Allocation)> = Vec::new();
@@ -645,6 +650,8 @@ proptest! {
                 prop_assert!(before.is_none_or(|(_, &e)| e <= at), "{at:#x} overlaps a live allocation");
                 prop_assert!(live.range(at..end).next().is_none(), "{at:#x} overlaps a live allocation");
                 live.insert(at, end);
+                holds += counted(&a);
+                most = most.max(holds);
                 made.push((i, a));
                 // Every third allocation frees the one before it.
                 if i % 3 == 2 {
@@ -653,6 +660,7 @@ proptest! {
                         held.push(a);
                     } else {
                         live.remove(&a.ptr().0);
+                        holds -= counted(&a);
                         pool.free_async(a, &s).unwrap();
                     }
                 }
@@ -662,6 +670,7 @@ proptest! {
                     held.push(a);
                 } else {
                     live.remove(&a.ptr().0);
+                    holds -= counted(&a);
                     pool.free_async(a, &s).unwrap();
                 }
             }
@@ -672,5 +681,7 @@ proptest! {
         }
         ctx.synchronize_stream(&s).unwrap();
         pool.audit().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(pool.stats().used_bytes, 0);
+        prop_assert_eq!(pool.attribute(PoolAttribute::UsedMemHigh), most);
     }
 }
