@@ -450,8 +450,12 @@ impl<R> Steps<R> {
     /// step before, and the layout in use did not fit it or is far larger
     /// than it needs (made from an odd step). Never from one step alone:
     /// a layout made from an odd step would hold its region while the heap
-    /// grows for the steps that miss it. (A step whose events leave the
-    /// layout's gives it up there and then: see [`Steps::record`].) The
+    /// grows for the steps that miss it. After layouts that did not last
+    /// their first step, it waits for longer runs of steps alike
+    /// ([`MOST_REPEATS_AWAITED`]); and it is refused if it would hold more
+    /// than [`SLACK_HUNDREDTHS`] of what one step has needed. (A step
+    /// whose events leave the layout's, or that outgrows it, gives it up
+    /// there and then: see [`Steps::record`] and [`Steps::place`].) The
     /// pool is asked for a new layout's region.
     pub(crate) fn mark(&mut self) -> Option<u64> {
         if self
