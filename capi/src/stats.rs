@@ -65,7 +65,7 @@ pub struct VmpoolStats {
     /// Page-locked host memory the pool holds for sleeping: the kept bytes
     /// while asleep, the buffer the next sleep reuses while awake.
     pub host_bytes: u64,
-    /// Steps marked ([`vmpool_mark_step`]), layouts made, allocations
+    /// Steps marked ([`crate::vmpool_mark_step`]), layouts made, allocations
     /// served from a layout's slot and those that wanted one and missed,
     /// and the bytes of the layouts' regions (in `reserved_bytes`).
     pub steps: u64,

@@ -94,6 +94,8 @@ pub(super) const HELLO: u64 = 1;
 /// Version 1 had no version word and no device UUID in the answer.
 pub(super) const PROTOCOL: u64 = 2;
 /// How long [`ImportedPool::from_shareable_handle`] waits for the exporter.
+///
+/// [`ImportedPool::from_shareable_handle`]: super::ImportedPool::from_shareable_handle
 pub(super) const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 pub(super) const IMPORT: u64 = 2;
 pub(super) const RELEASE: u64 = 3;
