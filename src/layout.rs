@@ -73,24 +73,34 @@ pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64) -> Layout {
         .expect("three layouts")
 }
 
-/// For each allocation, the most bytes live at any event of its
-/// lifetime: the live bytes summed per event, their maxima kept per
-/// [`BUCKET`] events, so that each lifetime reads its two end buckets
-/// event by event and those between whole.
-fn breadths(lifetimes: &[Lifetime]) -> Vec<u64> {
+/// The bytes live at each event of `lifetimes`.
+fn live_per_event(lifetimes: &[Lifetime]) -> Vec<u64> {
     let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) as usize;
     let mut change = vec![0i128; end + 1];
     for l in lifetimes {
         change[l.start as usize] += i128::from(l.size);
         change[l.end as usize] -= i128::from(l.size);
     }
-    let live: Vec<u64> = change[..end]
+    change[..end]
         .iter()
         .scan(0i128, |sum, c| {
             *sum += c;
             Some(*sum as u64)
         })
-        .collect();
+        .collect()
+}
+
+/// The most bytes of `lifetimes` live at once: no layout is smaller.
+pub(crate) fn peak(lifetimes: &[Lifetime]) -> u64 {
+    live_per_event(lifetimes).into_iter().max().unwrap_or(0)
+}
+
+/// For each allocation, the most bytes live at any event of its
+/// lifetime: the live bytes per event, their maxima kept per [`BUCKET`]
+/// events, so that each lifetime reads its two end buckets event by
+/// event and those between whole.
+fn breadths(lifetimes: &[Lifetime]) -> Vec<u64> {
+    let live = live_per_event(lifetimes);
     let bucket = BUCKET as usize;
     let most: Vec<u64> = live
         .chunks(bucket)

@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::layout::{lay_out, Lifetime};
+use crate::layout::{lay_out, peak, Lifetime};
 
 /// One event of a recorded step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -612,20 +612,4 @@ fn lifetimes(events: &[Event], sizes: &[u64], align: u64) -> (Vec<Lifetime>, Vec
         }
     }
     (lifetimes, ordinals)
-}
-
-/// The most bytes of `lifetimes` live at once: no layout is smaller.
-fn peak(lifetimes: &[Lifetime]) -> u64 {
-    let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0) as usize;
-    let mut change = vec![0i128; end + 1];
-    for l in lifetimes {
-        change[l.start as usize] += i128::from(l.size);
-        change[l.end as usize] -= i128::from(l.size);
-    }
-    let (mut live, mut most) = (0i128, 0i128);
-    for c in change {
-        live += c;
-        most = most.max(live);
-    }
-    most as u64
 }
