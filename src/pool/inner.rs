@@ -14,7 +14,6 @@ use crate::props::Defragment;
 use crate::space::Space;
 use crate::{Error, Result};
 
-use super::recording::Purpose;
 use super::sleep::{Retention, Slumber};
 
 /// How many of a stream's latest small frees (small-arena blocks) stay
@@ -56,6 +55,15 @@ pub(super) struct CallCounters {
     pub(super) frees: u64,
     pub(super) same_stream_reuses: u64,
     pub(super) grow_nanos: u64,
+}
+
+/// Whose an allocation is. The program's go in the pool's recorded trace
+/// and count as used bytes; a step layout's region does neither: the
+/// planned allocations in it do (Note [Step layouts]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Purpose {
+    Program,
+    Region,
 }
 
 /// Bytes of live allocations as the lock counts them (Note [Usage credit]
@@ -187,6 +195,15 @@ impl<B: Backend> Inner<B> {
         self.settle();
         self.usage.idle -= size;
         self.raise_high();
+    }
+
+    /// Counts `bytes` of step layouts' regions, idle until now, as freed.
+    /// After their frees, so that the program's bytes are never
+    /// overstated; the planned frees settled first, so that every idle
+    /// byte is counted.
+    pub(super) fn release_idle(&mut self, bytes: u64) {
+        self.settle();
+        self.usage.idle -= bytes;
     }
 
     fn raise_high(&mut self) {

@@ -46,8 +46,7 @@ use crate::sync::lock;
 use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
-use inner::Inner;
-use recording::Purpose;
+use inner::{Inner, Purpose};
 pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
 use stepping::Stepping;
 

@@ -11,15 +11,6 @@ use crate::{Error, Result};
 
 use super::Pool;
 
-/// Whose an allocation is. The program's go in the pool's recorded trace
-/// and count as used bytes; a step layout's region does neither: the
-/// planned allocations in it do (Note [Step layouts]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Purpose {
-    Program,
-    Region,
-}
-
 impl<B: Backend> Pool<B> {
     pub(super) fn recorder(path: &Path, id: u64, device: DeviceId) -> Result<Recorder> {
         Recorder::create(path, id, device)

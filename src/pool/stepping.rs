@@ -170,12 +170,8 @@ impl<B: Backend> Pool<B> {
         for part in &parts {
             self.release_on(part, stream.as_ref());
         }
-        // Freed, they are no longer idle region bytes; counted after the
-        // frees, so that the program's bytes are never overstated.
         let freed: u64 = parts.iter().map(|p| p.block_size).sum();
-        let mut inner = self.lock();
-        inner.settle();
-        inner.usage.idle -= freed;
+        self.lock().release_idle(freed);
     }
 
     /// Frees `part` in stream order on `stream`, or at once (`None`).
