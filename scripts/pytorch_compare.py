@@ -10,6 +10,8 @@ Runs each workload in a process of its own under each allocator:
     vmpool@SIZE       the same with VMPOOL_CHUNK_SIZE=SIZE (e.g. vmpool@4MiB)
     vmpool/N          the same with VMPOOL_CHUNK_DIVISOR=N (e.g. vmpool/4096;
                       vmpool/off: fixed VMPOOL_CHUNK_SIZE chunks)
+    vmpool-steps      vmpool, a step marked after each step
+    vmpool-steps/N    the same with VMPOOL_CHUNK_DIVISOR=N
     vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
                       compare two builds in one run (scripts/gpu-build.sh
                       bundles an older one with BASE_REV=REV)
@@ -128,7 +130,7 @@ def child(args):
     # count nothing that says what they asked of the driver: none.
     step_footprint, step_driver_calls = [], []
     native = args.allocator == "native"
-    marks_steps = args.allocator == "vmpool-steps"
+    marks_steps = args.allocator.split("/", 1)[0] == "vmpool-steps"
     segments = segment_calls(torch.cuda.memory_stats()) if native else None
     for index, shape in enumerate(shapes):
         before = vmpool.stats() if vmpool is not None else None
@@ -283,7 +285,8 @@ def segment_calls(memory):
 
 
 def is_vmpool(allocator):
-    return allocator in ("vmpool", "vmpool-steps") or allocator.startswith(("vmpool@", "vmpool/", "vmpool="))
+    return allocator in ("vmpool", "vmpool-steps") or allocator.startswith(
+        ("vmpool@", "vmpool/", "vmpool=", "vmpool-steps/"))
 
 
 def step_time(runs):
@@ -338,13 +341,13 @@ def check_allocator(allocator):
     if allocator.startswith("vmpool="):
         if not Path(allocator.split("=", 1)[1]).is_file():
             raise SystemExit(f"{allocator!r}: no library at that path")
-    elif allocator.startswith("vmpool/"):
+    elif allocator.startswith(("vmpool/", "vmpool-steps/")):
         n = allocator.split("/", 1)[1]
         if n != "off" and (not n.isdigit() or int(n) < 1):
-            raise SystemExit(f"{allocator!r}: vmpool/N takes a whole number, at least 1, or off")
+            raise SystemExit(f"{allocator!r}: /N takes a whole number, at least 1, or off")
     elif allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
         raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
-                         "vmpool/N or vmpool=PATH")
+                         "vmpool/N, vmpool-steps/N or vmpool=PATH")
 
 
 def trace_name(path):
@@ -372,7 +375,7 @@ def run_child(workload, allocator, args, trace=None):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
     if allocator.startswith("vmpool@"):
         env["VMPOOL_CHUNK_SIZE"] = allocator.split("@", 1)[1]
-    if allocator.startswith("vmpool/"):
+    if allocator.startswith(("vmpool/", "vmpool-steps/")):
         env["VMPOOL_CHUNK_DIVISOR"] = allocator.split("/", 1)[1]
     if allocator.startswith("vmpool="):
         env["VMPOOL_LIB"] = str(Path(allocator.split("=", 1)[1]).resolve())
