@@ -196,6 +196,10 @@ pub struct StepCounters {
     pub missed: u64,
     /// Bytes of the layout's region.
     pub region_bytes: u64,
+    /// Layouts given up because the pool could not allocate their region
+    /// (out of memory, over its limit, or no room in its address space):
+    /// their steps went on from the heap.
+    pub refused: u64,
 }
 
 /// A pool's step layouts; `R` is the pool's allocation type (a region's
@@ -227,7 +231,8 @@ pub(crate) struct Steps<R> {
     largest_peak: u64,
     /// Steps in a row, up to the last marked, that repeated the one before.
     repeated: u32,
-    /// Layouts in a row that ended in their first step.
+    /// Layouts in a row that ended in their first step, or never began
+    /// (their region refused).
     short_lived: u32,
     align: u64,
 }
@@ -562,7 +567,6 @@ impl<R> Steps<R> {
                 size: l.size,
             });
         }
-        self.counters.layouts += 1;
         Some((slots, layout.len))
     }
 
@@ -581,12 +585,19 @@ impl<R> Steps<R> {
             },
             since: self.counters.steps,
         });
+        self.counters.layouts += 1;
     }
 
     /// Gives up the layout that waits for its region (the pool could not
-    /// allocate it).
+    /// allocate it): the next waits for a run of steps alike from here,
+    /// longer after each refusal in a row, as after a layout that did not
+    /// last its step, so that a pool that cannot afford one does not try
+    /// at every mark.
     pub(crate) fn abandon(&mut self) {
         self.pending = None;
+        self.counters.refused += 1;
+        self.short_lived += 1;
+        self.repeated = 0;
     }
 }
 

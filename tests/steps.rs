@@ -9,7 +9,9 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, Error, Pool, PoolAttribute, PoolProps, SleepLevel, Stream};
+use vmpool::{
+    Allocation, Context, Defragment, Error, Pool, PoolAttribute, PoolProps, SleepLevel, Stream,
+};
 
 #[allow(dead_code)]
 mod common;
@@ -569,6 +571,64 @@ pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
     pool.mark_step().unwrap();
 }
 
+/// Three allocations of 8 MiB on `s`, freed at the end of the step.
+fn three_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>) {
+    let a = pool.allocate_async(8 * MIB, s).unwrap();
+    let b = pool.allocate_async(8 * MIB, s).unwrap();
+    let c = pool.allocate_async(8 * MIB, s).unwrap();
+    for x in [a, b, c] {
+        pool.free_async(x, s).unwrap();
+    }
+}
+
+pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    // Nothing unused moves, and the limit holds the steps but not a
+    // region beside them.
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(4 << 30),
+            max_size: Some(32 * MIB),
+            defragment: Defragment::Off,
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    let other = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    // Between the steps, another stream leaves an allocation in the middle
+    // of the step's memory: [8 MiB free][island][12 MiB free].
+    ctx.synchronize_stream(&s).unwrap();
+    let x = pool.allocate_async(8 * MIB, &other).unwrap();
+    let island = pool.allocate_async(4 * MIB, &other).unwrap();
+    pool.free_async(x, &other).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    three_step(&pool, &s);
+    // The step repeats, but no free block holds its 24 MiB, and growing
+    // one would pass the limit.
+    pool.mark_step().unwrap();
+    let counters = pool.step_counters();
+    assert_eq!((counters.layouts, counters.refused), (0, 1), "{counters:?}");
+    assert_eq!(counters.region_bytes, 0);
+    // The steps go on from the heap; the next try waits for two repeats.
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    assert_eq!(pool.step_counters().refused, 1, "tried again at once");
+    pool.free_async(island, &other).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    let counters = pool.step_counters();
+    assert_eq!((counters.layouts, counters.refused), (1, 1), "{counters:?}");
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    assert_eq!(pool.step_counters().planned, 3);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
 suites!(
     a_repeated_step_maps_nothing,
     a_layout_counts_only_what_the_program_holds,
@@ -585,6 +645,7 @@ suites!(
     a_step_that_does_more_at_its_end_keeps_its_layout,
     a_pool_dropped_with_an_idle_layout_gives_its_memory_back,
     marking_a_sleeping_pool_is_refused,
+    a_layout_the_pool_cannot_afford_is_given_up,
 );
 
 /// One step of the model test: which template, at what scale, and what

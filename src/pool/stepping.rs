@@ -15,7 +15,7 @@ use crate::heap::QUANTUM;
 use crate::ordering::{Pending, Stream, StreamShared};
 use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
-use crate::Result;
+use crate::{Error, Result};
 
 use super::{Pool, Purpose};
 
@@ -60,8 +60,11 @@ impl<B: Backend> Pool<B> {
     /// such steps stay on the heap). Without marks, nothing changes. See
     /// Note [Step layouts] in docs/DESIGN.md.
     ///
-    /// Fails if the pool sleeps, or if a new layout's region cannot be
-    /// allocated (the steps then go on without one).
+    /// Fails if the pool sleeps, or if the driver fails. A layout whose
+    /// region the pool cannot allocate (out of memory, over its limit, or
+    /// no room in its address space) is given up, not failed: the steps go
+    /// on from the heap, [`StepCounters::refused`] counts it, and the next
+    /// layout waits for a longer run of steps alike.
     pub fn mark_step(&self) -> Result<()> {
         self.awake()?;
         if let Some(r) = &self.0.recorder {
@@ -101,7 +104,17 @@ impl<B: Backend> Pool<B> {
             }
             Err(e) => {
                 lock(&self.0.steps).steps.abandon();
-                Err(e)
+                match e {
+                    // An optimisation the pool cannot afford now: the
+                    // program goes on as it would unmarked.
+                    Error::OutOfMemory { .. }
+                    | Error::PoolLimit { .. }
+                    | Error::InvalidSize { .. } => {
+                        tracing::info!(pool = self.0.id, len, error = %e, "step layout given up: no region");
+                        Ok(())
+                    }
+                    e => Err(e),
+                }
             }
         }
     }
