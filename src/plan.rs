@@ -10,6 +10,17 @@
 //!
 //! Chunks map whole (the driver maps nothing smaller), so the chunks chosen
 //! may cover more than the need; the excess is free space at the target.
+//!
+//! A bridge instead maps chunks into the unmapped holes between free
+//! blocks, so that they join into one:
+//!
+//! ```text
+//!   before:  [used|free A]  hole  [free B]  hole  [free C|used]
+//!   bridge:  [used|free A][chunks][free B][chunks][free C|used]
+//!                  \______ one free block of A + B + C + holes _/
+//! ```
+
+use rustc_hash::FxHashSet;
 
 /// Where new chunks will be mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +62,11 @@ impl Plan {
     pub fn len(&self) -> u64 {
         self.sources.iter().map(Source::size).sum()
     }
+
+    /// Bytes of new chunks it creates.
+    pub fn created(&self) -> u64 {
+        created(&self.sources)
+    }
 }
 
 /// A free block that ends a mapped region, and the unmapped room after it.
@@ -75,8 +91,59 @@ pub struct UnitSize {
     pub size: u64,
 }
 
+/// A mapped range in address order, with its free ends: the free block
+/// it starts with and the one it ends with (0: none; `len` both when all
+/// of it is free). A range growth may not join (a moved unit's old
+/// mapping) has no free end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapped {
+    pub start: u64,
+    pub len: u64,
+    pub head: u64,
+    pub tail: u64,
+}
+
+/// Room for a request made by mapping chunks into the unmapped holes
+/// between free blocks, each hole filled exactly, so that the free blocks
+/// and the holes join into one free range of at least the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bridge {
+    /// The holes, in address order, each with the chunks that fill it.
+    pub holes: Vec<(Gap, Vec<Source>)>,
+    /// Free units from outside the run to release first, as many bytes as
+    /// the new chunks take where the pool holds them: what fills the
+    /// holes is then memory the pool had, in the sizes the holes need.
+    pub release: Vec<UnitSize>,
+}
+
+impl Bridge {
+    /// Bytes mapped into the holes.
+    pub fn len(&self) -> u64 {
+        self.holes.iter().map(|(g, _)| g.len).sum()
+    }
+
+    /// Bytes of new chunks it creates beyond those it releases.
+    pub fn created(&self) -> u64 {
+        let released: u64 = self.release.iter().map(|u| u.size).sum();
+        created(self.holes.iter().flat_map(|(_, sources)| sources)).saturating_sub(released)
+    }
+}
+
+/// Bytes of the new chunks among `sources`.
+fn created<'a>(sources: impl IntoIterator<Item = &'a Source>) -> u64 {
+    sources
+        .into_iter()
+        .filter_map(|s| match *s {
+            Source::New { size } => Some(size),
+            _ => None,
+        })
+        .sum()
+}
+
 /// What the pool holds that growth may use.
 pub struct Inputs<'a> {
+    /// The mapped ranges, in address order, for bridges.
+    pub mapped: &'a [Mapped],
     pub tails: &'a [Tail],
     /// In address order.
     pub gaps: &'a [Gap],
@@ -143,6 +210,116 @@ pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
             };
             (plan.len() <= c.room).then_some(plan)
         })
+}
+
+/// Room for `request` bytes by bridging (see [`Bridge`]): among the runs
+/// of free blocks separated only by holes, whose bytes and holes together
+/// hold the request, the one with the fewest bytes of holes; `None` when
+/// no run holds it. The request takes the run's start; each hole in that
+/// window is filled with spare chunks, then free units from outside the
+/// window, then new chunks, none larger than what is left of the hole (a
+/// hole has mapped memory on both sides). Free units from outside the
+/// window among `releasable` (those no stream may still use) are released
+/// for as many bytes as the new chunks take.
+pub fn plan_bridge(request: u64, inputs: &Inputs<'_>, releasable: &[UnitSize]) -> Option<Bridge> {
+    let mapped = inputs.mapped;
+    // (hole bytes, index of the run's first range, of its last).
+    let mut best: Option<(u64, usize, usize)> = None;
+    for (i, first) in mapped.iter().enumerate() {
+        if first.tail == 0 {
+            continue;
+        }
+        let (mut have, mut holes, mut end) = (first.tail, 0, first.start + first.len);
+        for (j, next) in mapped.iter().enumerate().skip(i + 1) {
+            if next.head == 0 {
+                break;
+            }
+            holes += next.start - end;
+            let whole = next.head == next.len;
+            have += (next.start - end) + next.head;
+            if have >= request {
+                if best.is_none_or(|(b, _, _)| holes < b) {
+                    best = Some((holes, i, j));
+                }
+                break;
+            }
+            if !whole {
+                break;
+            }
+            end = next.start + next.len;
+        }
+    }
+    let (_, i, j) = best?;
+    // The request goes at the run's start; what of the run lies past it
+    // is free memory like any other, its units free to move or go, its
+    // holes left.
+    let start = mapped[i].start + mapped[i].len - mapped[i].tail;
+    let window = start..start + request;
+    let mut spares: Vec<(usize, u64)> = inputs.spares.iter().copied().enumerate().collect();
+    let mut units: Vec<(u64, u64)> = inputs
+        .units
+        .iter()
+        .filter(|u| u.va + u.size <= window.start || u.va >= window.end)
+        .map(|u| (u.va, u.size))
+        .collect();
+    let holes: Vec<(Gap, Vec<Source>)> = mapped[i..=j]
+        .windows(2)
+        .map(|w| Gap {
+            start: w[0].start + w[0].len,
+            len: w[1].start - (w[0].start + w[0].len),
+        })
+        .filter(|hole| hole.len > 0 && hole.start < window.end)
+        .map(|hole| {
+            let mut left = hole.len;
+            let mut sources = Vec::new();
+            while let Some(pick) = largest_within(&spares, left) {
+                let (index, size) = spares.remove(pick);
+                sources.push(Source::Spare { index, size });
+                left -= size;
+            }
+            while let Some(pick) = largest_within(&units, left) {
+                let (va, size) = units.remove(pick);
+                sources.push(Source::Unit { va, size });
+                left -= size;
+            }
+            while left > 0 {
+                let size = left.min(inputs.chunk_size);
+                sources.push(Source::New { size });
+                left -= size;
+            }
+            (hole, sources)
+        })
+        .collect();
+    let mut new: u64 = holes
+        .iter()
+        .map(|(_, sources): &(Gap, Vec<Source>)| created(sources))
+        .sum();
+    let mut release = Vec::new();
+    // Only units no stream may still use can go; those left unmoved.
+    let releasable: FxHashSet<u64> = releasable.iter().map(|u| u.va).collect();
+    let mut units: Vec<(u64, u64)> = units
+        .into_iter()
+        .filter(|(va, _)| releasable.contains(va))
+        .collect();
+    while new > 0 {
+        let Some(pick) = best_cover(&units, new) else {
+            break;
+        };
+        let (va, size) = units.remove(pick);
+        release.push(UnitSize { va, size });
+        new = new.saturating_sub(size);
+    }
+    Some(Bridge { holes, release })
+}
+
+/// Index of the largest item of at most `left` bytes; the first such.
+fn largest_within<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
+    items
+        .iter()
+        .enumerate()
+        .filter(|(_, &(_, size))| size <= left)
+        .max_by_key(|&(i, &(_, size))| (size, std::cmp::Reverse(i)))
+        .map(|(i, _)| i)
 }
 
 /// Whole chunks covering `need` bytes: spare ones first (no driver call to
@@ -228,6 +405,7 @@ mod tests {
         units: &'a [UnitSize],
     ) -> Inputs<'a> {
         Inputs {
+            mapped: &[],
             tails,
             gaps,
             spares,
@@ -235,6 +413,106 @@ mod tests {
             granule: G,
             chunk_size: 16 * G,
         }
+    }
+
+    fn mapped(start: u64, len: u64, head: u64, tail: u64) -> Mapped {
+        Mapped {
+            start,
+            len,
+            head,
+            tail,
+        }
+    }
+
+    #[test]
+    fn a_bridge_fills_the_holes_between_free_blocks() {
+        // [used|2G free] 2G hole [2G free] 1G hole [3G free|used]
+        let ranges = [
+            mapped(0, 10 * G, 0, 2 * G),
+            mapped(12 * G, 2 * G, 2 * G, 2 * G),
+            mapped(15 * G, 5 * G, 3 * G, 0),
+        ];
+        let inputs = Inputs {
+            mapped: &ranges,
+            ..inputs(&[], &[], &[], &[])
+        };
+        let bridge = plan_bridge(8 * G, &inputs, &[]).unwrap();
+        assert_eq!(
+            bridge.holes,
+            vec![
+                (gap(10 * G, 2 * G), vec![Source::New { size: 2 * G }]),
+                (gap(14 * G, G), vec![Source::New { size: G }]),
+            ]
+        );
+        assert_eq!((bridge.len(), bridge.created()), (3 * G, 3 * G));
+        // A request the run cannot hold: no bridge.
+        assert_eq!(plan_bridge(11 * G, &inputs, &[]), None);
+    }
+
+    #[test]
+    fn used_memory_ends_a_run() {
+        // The middle range is free at its start only: the run stops there.
+        let ranges = [
+            mapped(0, 4 * G, 0, 2 * G),
+            mapped(5 * G, 4 * G, G, 0),
+            mapped(10 * G, 4 * G, 4 * G, 4 * G),
+        ];
+        let inputs = Inputs {
+            mapped: &ranges,
+            ..inputs(&[], &[], &[], &[])
+        };
+        assert_eq!(plan_bridge(5 * G, &inputs, &[]), None);
+        assert!(plan_bridge(4 * G, &inputs, &[]).is_some());
+    }
+
+    #[test]
+    fn the_run_with_the_fewest_hole_bytes_is_bridged() {
+        let ranges = [
+            mapped(0, 2 * G, 0, 2 * G),
+            mapped(6 * G, 2 * G, 2 * G, 0),
+            mapped(20 * G, 2 * G, 0, 2 * G),
+            mapped(23 * G, 2 * G, 2 * G, 0),
+        ];
+        let inputs = Inputs {
+            mapped: &ranges,
+            ..inputs(&[], &[], &[], &[])
+        };
+        let bridge = plan_bridge(4 * G, &inputs, &[]).unwrap();
+        assert_eq!(bridge.holes.len(), 1);
+        assert_eq!(bridge.holes[0].0, gap(22 * G, G));
+    }
+
+    #[test]
+    fn a_bridge_moves_units_from_outside_it_and_releases_for_new_chunks() {
+        // [used|2G free] 3G hole [2G free|used]; a free unit inside the
+        // window (it must stay), one of 1G and one of 4G outside it.
+        let ranges = [mapped(0, 4 * G, 0, 2 * G), mapped(7 * G, 4 * G, 2 * G, 0)];
+        let units = [unit(2 * G, G), unit(40 * G, G), unit(50 * G, 4 * G)];
+        let inputs = Inputs {
+            mapped: &ranges,
+            ..inputs(&[], &[], &[], &units)
+        };
+        // Only the 1G unit fits the hole; the 4G one goes to make room for
+        // the 2G of new chunks, unless streams may still use it.
+        let bridge = plan_bridge(6 * G, &inputs, &units).unwrap();
+        assert_eq!(
+            bridge.holes,
+            vec![(
+                gap(4 * G, 3 * G),
+                vec![
+                    Source::Unit {
+                        va: 40 * G,
+                        size: G
+                    },
+                    Source::New { size: 2 * G }
+                ]
+            )]
+        );
+        assert_eq!(bridge.release, vec![unit(50 * G, 4 * G)]);
+        assert_eq!(bridge.created(), 0);
+        let guarded = plan_bridge(6 * G, &inputs, &[]).unwrap();
+        assert!(guarded.release.is_empty());
+        assert_eq!(guarded.created(), 2 * G);
     }
 
     #[test]

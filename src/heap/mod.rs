@@ -347,6 +347,15 @@ impl Heap {
             .collect()
     }
 
+    /// Every region whose first block is free: its start and that block's
+    /// size.
+    pub fn free_region_heads(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.region_starts.values().filter_map(|&id| {
+            let b = &self.blocks[id as usize];
+            b.free.then_some((b.addr, b.size))
+        })
+    }
+
     /// Every region's end address whose last block is free, with that block.
     pub fn free_region_tails(&self) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
         self.region_ends.values().filter_map(|&id| {

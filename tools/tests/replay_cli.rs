@@ -111,6 +111,42 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
     std::fs::remove_file(&path).unwrap();
 }
 
+/// Growth bridges the holes between free blocks for a large request
+/// (Note [Growth and remapping], "Bridges"), moving some free units into
+/// the holes and releasing others in the same growth. The GQA trace,
+/// stream-ordered with a mark at each pass, does both by its third pass,
+/// where releasing first left the heap's block ids stale for the moves
+/// that followed, and the replay panicked.
+#[test]
+fn a_bridge_that_moves_and_releases_runs_through() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../traces/gqa_decoder_train_torch.trace.gz"
+    );
+    let out = replay(&[
+        "--backend",
+        "host",
+        "--json",
+        "--stream-ordered",
+        "--passes",
+        "3",
+        "--mark-passes",
+        trace,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+    assert!(
+        report["chunks_released"].as_u64().unwrap() > 0,
+        "no bridge released a unit: the case is not covered ({report})"
+    );
+    let ratios = report["pass_ratios"].as_array().unwrap();
+    assert_eq!(ratios.first(), ratios.last(), "the footprint crept");
+}
+
 fn replay(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
         .args(args)
