@@ -4,8 +4,9 @@
 //! buffer (unless `--reserve-host` pinned it beforehand, timed apart); the
 //! later ones reuse it, as a trainer and a rollout engine taking turns do.
 //! Side by side, in the same run, the plain page-locked copy bandwidth
-//! between the device and host memory (the faster of two copies each way),
-//! and each sleep's and wake's share of it: the bar is 80 % both ways.
+//! between the device and host memory (the faster of two copies each way;
+//! the first, into a buffer just pinned, is printed too), and each sleep's
+//! and wake's share of it: the bar is 80 % both ways.
 //! Every kept byte is checked after each wake (sampled words of every
 //! buffer, and a checksum of one whole buffer), and the device's free
 //! memory is read before and after each sleep.
@@ -88,17 +89,26 @@ fn run<B: TestBackend>(b: Arc<B>, args: &Args) -> Result<()> {
             live.push((a, word));
         }
         ctx.synchronize_stream(&stream)?;
-        let (pin, copy_out, copy_in) = reference(&b, &stream, &live, bytes)?;
+        let Reference {
+            pin,
+            copy_out,
+            copy_in,
+            first_out,
+            first_in,
+        } = reference(&b, &stream, &live, bytes)?;
         println!();
         println!(
             "{:.2} GiB kept, in {} buffers, {} chunks: copy out {:.1} GB/s, copy in {:.1} GB/s \
-             (page-locked buffer, the faster of two each way); pinning it took {pin:.3} s ({:.1} GB/s)",
+             (page-locked buffer, the faster of two each way); pinning it took {pin:.3} s ({:.1} GB/s); \
+             the first copies, into and out of the buffer just pinned: out {:.1} GB/s, in {:.1} GB/s",
             bytes as f64 / GIB as f64,
             live.len(),
             pool.stats().units,
             gbps(bytes, copy_out),
             gbps(bytes, copy_in),
             gbps(bytes, pin),
+            gbps(bytes, first_out),
+            gbps(bytes, first_in),
         );
         if args.reserve_host {
             let t = Instant::now();
@@ -210,15 +220,28 @@ fn run<B: TestBackend>(b: Arc<B>, args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The reference copies of one size, in seconds.
+struct Reference {
+    /// Pinning the page-locked buffer.
+    pin: f64,
+    /// The faster of two copies out, and of two in.
+    copy_out: f64,
+    copy_in: f64,
+    /// The first copy out, into the buffer just pinned, and the first in:
+    /// what a sleep into a buffer just reserved pays, if a fresh buffer
+    /// costs its first copy more.
+    first_out: f64,
+    first_in: f64,
+}
+
 /// The reference: the same bytes through one page-locked buffer, which is
-/// freed again before the pool's cycles. Returns the seconds taken to pin
-/// it, and the faster of two copies out and two in.
+/// freed again before the pool's cycles.
 fn reference<B: TestBackend>(
     b: &Arc<B>,
     stream: &Stream<B>,
     live: &[(Allocation, u32)],
     bytes: u64,
-) -> Result<(f64, f64, f64)> {
+) -> Result<Reference> {
     let ranges: Vec<HostCopy> = live
         .iter()
         .enumerate()
@@ -231,21 +254,28 @@ fn reference<B: TestBackend>(
     let t = Instant::now();
     let mut host = b.alloc_host(bytes as usize)?;
     let pin = t.elapsed().as_secs_f64();
-    let (mut out, mut back) = (f64::INFINITY, f64::INFINITY);
+    let (mut outs, mut ins) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let t = Instant::now();
         b.copy_device_to_host(stream.raw(), &ranges, &mut host)?;
-        out = out.min(t.elapsed().as_secs_f64());
+        outs.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
         b.copy_host_to_device(stream.raw(), &host, &ranges)?;
-        back = back.min(t.elapsed().as_secs_f64());
+        ins.push(t.elapsed().as_secs_f64());
     }
     let sum: u64 = host.as_slice()[..BUFFER as usize]
         .chunks_exact(8)
         .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
         .fold(0, u64::wrapping_add);
     ensure!(sum != 0, "the reference copy read nothing");
-    Ok((pin, out, back))
+    let fastest = |times: &[f64]| times.iter().copied().fold(f64::INFINITY, f64::min);
+    Ok(Reference {
+        pin,
+        copy_out: fastest(&outs),
+        copy_in: fastest(&ins),
+        first_out: outs[0],
+        first_in: ins[0],
+    })
 }
 
 /// One sleep and wake, timed and checked.
