@@ -111,15 +111,7 @@ impl<B: Backend> Growth<'_, B> {
         let block = self.arenas[arena]
             .heap
             .insert_free(plan.target.start, plan.len());
-        // A unit moved from under its stream's queued work carries that
-        // stream's guard to its new place: the same memory.
-        let mut at = plan.target.start;
-        for (size, under) in sizes.into_iter().zip(gathered.under) {
-            if let Some(by) = under {
-                self.guards.insert(at, Guard { end: at + size, by });
-            }
-            at += size;
-        }
+        self.carry_guards(plan.target.start, &sizes, gathered.under);
         // One event per growth; the chunks it created or moved are logged
         // one by one at trace.
         let count = |f: fn(&Source) -> bool| plan.sources.iter().filter(|s| f(s)).count();
@@ -137,6 +129,24 @@ impl<B: Backend> Growth<'_, B> {
             "grew"
         );
         Ok(block)
+    }
+
+    /// Guards the chunks just mapped side by side from `start`, of
+    /// `sizes`: a unit moved from under its stream's queued work (`under`)
+    /// carries that stream's guard to its new place, the same memory.
+    fn carry_guards(
+        &mut self,
+        start: u64,
+        sizes: &[u64],
+        under: impl IntoIterator<Item = Option<StreamPos>>,
+    ) {
+        let mut at = start;
+        for (&size, under) in sizes.iter().zip(under) {
+            if let Some(by) = under {
+                self.guards.insert(at, Guard { end: at + size, by });
+            }
+            at += size;
+        }
     }
 
     /// Maps the chunks of `bridge` into its holes, so that a free block of
@@ -171,13 +181,7 @@ impl<B: Backend> Growth<'_, B> {
                 return Err(err);
             }
             joined = Some(self.arenas[arena].heap.insert_free(hole.start, hole.len));
-            let mut at = hole.start;
-            for (size, under) in sizes.into_iter().zip(under.by_ref()) {
-                if let Some(by) = under {
-                    self.guards.insert(at, Guard { end: at + size, by });
-                }
-                at += size;
-            }
+            self.carry_guards(hole.start, &sizes, under.by_ref().take(sizes.len()));
         }
         self.counters.grows += 1;
         tracing::debug!(
@@ -259,24 +263,30 @@ impl<B: Backend> Growth<'_, B> {
                 size: u.len,
             })
             .collect();
-        let heads: FxHashMap<u64, u64> = arena.heap.free_region_heads().collect();
-        let tail_at: FxHashMap<u64, u64> = tails.iter().map(|t| (t.start + t.len, t.len)).collect();
-        let mut mapped: Vec<Mapped> = regions
-            .iter()
-            .map(|&(start, len)| Mapped {
-                start,
-                len,
-                head: heads.get(&start).copied().unwrap_or(0),
-                tail: tail_at.get(&(start + len)).copied().unwrap_or(0),
-            })
-            .chain(aliases.iter().map(|&(start, len)| Mapped {
-                start,
-                len,
-                head: 0,
-                tail: 0,
-            }))
-            .collect();
-        mapped.sort_unstable_by_key(|m| m.start);
+        // Only a large request weighs a bridge, and needs its inputs.
+        let bridging = size * BRIDGE_SHARE >= self.space.reserved();
+        let mut mapped: Vec<Mapped> = Vec::new();
+        if bridging {
+            let heads: FxHashMap<u64, u64> = arena.heap.free_region_heads().collect();
+            let tail_at: FxHashMap<u64, u64> =
+                tails.iter().map(|t| (t.start + t.len, t.len)).collect();
+            mapped = regions
+                .iter()
+                .map(|&(start, len)| Mapped {
+                    start,
+                    len,
+                    head: heads.get(&start).copied().unwrap_or(0),
+                    tail: tail_at.get(&(start + len)).copied().unwrap_or(0),
+                })
+                .chain(aliases.iter().map(|&(start, len)| Mapped {
+                    start,
+                    len,
+                    head: 0,
+                    tail: 0,
+                }))
+                .collect();
+            mapped.sort_unstable_by_key(|m| m.start);
+        }
         let inputs = plan::Inputs {
             mapped: &mapped,
             tails: &tails,
@@ -286,14 +296,17 @@ impl<B: Backend> Growth<'_, B> {
             granule,
             chunk_size: growth_chunk,
         };
-        // A bridge may release units: only those no stream may still use.
-        let unguarded: Vec<UnitSize> = units
-            .iter()
-            .filter(|u| self.guards.in_range(u.va, u.va + u.size).next().is_none())
-            .copied()
-            .collect();
-        let bridge = (size * BRIDGE_SHARE >= self.space.reserved())
-            .then(|| plan::plan_bridge(size, &inputs, &unguarded))
+        let bridge = bridging
+            .then(|| {
+                // A bridge may release units: only those no stream may
+                // still use.
+                let unguarded: Vec<UnitSize> = units
+                    .iter()
+                    .filter(|u| self.guards.in_range(u.va, u.va + u.size).next().is_none())
+                    .copied()
+                    .collect();
+                plan::plan_bridge(size, &inputs, &unguarded)
+            })
             .flatten();
         match (plan::plan_growth(size, &inputs), bridge) {
             // New memory is what the footprint pays; then the driver calls.
