@@ -282,11 +282,7 @@ pub fn plan_bridge(request: u64, inputs: &Inputs<'_>, releasable: &[UnitSize]) -
                 sources.push(Source::Unit { va, size });
                 left -= size;
             }
-            while left > 0 {
-                let size = left.min(inputs.chunk_size);
-                sources.push(Source::New { size });
-                left -= size;
-            }
+            sources.extend(new_chunks(left, inputs.chunk_size));
             (hole, sources)
         })
         .collect();
@@ -349,12 +345,19 @@ pub fn plan_sources(need: u64, spares: &[u64], units: &[UnitSize], chunk_size: u
         plan.push(Source::Unit { va, size });
         left = left.saturating_sub(size);
     }
-    while left > 0 {
-        let size = left.min(chunk_size);
-        plan.push(Source::New { size });
-        left -= size;
-    }
+    plan.extend(new_chunks(left, chunk_size));
     plan
+}
+
+/// New chunks for `left` bytes, each of at most `chunk_size`.
+fn new_chunks(mut left: u64, chunk_size: u64) -> impl Iterator<Item = Source> {
+    std::iter::from_fn(move || {
+        (left > 0).then(|| {
+            let size = left.min(chunk_size);
+            left -= size;
+            Source::New { size }
+        })
+    })
 }
 
 /// Index of the smallest item of at least `left` bytes, else of the
