@@ -46,6 +46,11 @@ struct Args {
     /// timed apart: then no cycle pins.
     #[arg(long)]
     reserve_host: bool,
+    /// Grow the pool by whole `chunk_size` chunks (`chunk_divisor: None`)
+    /// instead of the default granules of a small pool: fewer chunks for
+    /// the first sleep to release.
+    #[arg(long)]
+    whole_chunks: bool,
 }
 
 fn main() -> Result<()> {
@@ -79,7 +84,10 @@ fn run<B: TestBackend>(b: Arc<B>, args: &Args) -> Result<()> {
         } else {
             gib * GIB
         };
-        let pool = ctx.create_pool(&PoolProps::new(DEV))?;
+        let pool = ctx.create_pool(&PoolProps {
+            chunk_divisor: (!args.whole_chunks).then_some(vmpool::DEFAULT_CHUNK_DIVISOR),
+            ..PoolProps::new(DEV)
+        })?;
         pool.set_retention(Retention::Keep);
         let mut live: Vec<(Allocation, u32)> = Vec::new();
         for i in 0..bytes / BUFFER {
