@@ -100,7 +100,13 @@ impl<B: Backend> Pool<B> {
     /// [`Pool::release_host`] gives it back, [`Pool::reserve_host`] takes it
     /// ahead of time). A sleep that needs more frees the old buffer and
     /// allocates a larger one. The copy goes in batches, each batch's
-    /// chunks released as soon as its bytes are on the host.
+    /// chunks released as soon as its bytes are on the host. Releasing
+    /// costs the driver some 30-60 us a chunk while the copy runs, so a
+    /// pool of many small chunks (a pool under 4 GiB grows by 2 MiB ones
+    /// by default) sleeps slower than its copy the first time; one grown
+    /// by whole chunks ([`PoolProps::chunk_divisor`](crate::PoolProps::chunk_divisor)
+    /// `None`) does not, and a wake brings the memory back in fewer chunks
+    /// either way (Note [Sleep and wake] in docs/DESIGN.md).
     ///
     /// A failure leaves the pool awake with its bytes: before the release
     /// (no host memory, a failed copy) as it was; during it, the batches
