@@ -404,61 +404,16 @@ impl<B: Backend> Space<B> {
 
     /// Unmaps and releases the units at `vas`, keeping the reservation;
     /// returns the units released as (address, length), in address order.
-    /// Adjacent units are unmapped with one driver call a run. A unit that
-    /// will not unmap stays a unit, mapped, its bytes where they were.
-    /// Aliases must be gone (their streams waited for).
+    /// A unit that will not unmap stays a unit, mapped, its bytes where
+    /// they were. Aliases must be gone (their streams waited for).
     pub(crate) fn release_units(&mut self, vas: impl IntoIterator<Item = Va>) -> Vec<(Va, u64)> {
         debug_assert!(self.aliases.is_empty(), "aliases outlive their streams");
-        let mut vas: Vec<Va> = vas
-            .into_iter()
-            .filter(|va| self.units.contains_key(va))
-            .collect();
-        vas.sort_unstable();
-        vas.dedup();
         let mut released = Vec::new();
-        let mut at = 0;
-        while at < vas.len() {
-            let mut run = vec![self.units.remove(&vas[at]).expect("listed above")];
-            at += 1;
-            while at < vas.len()
-                && run
-                    .last()
-                    .is_some_and(|m| m.va().byte_add(m.size()).0 == vas[at].0)
-            {
-                run.push(self.units.remove(&vas[at]).expect("listed above"));
-                at += 1;
-            }
-            released.extend(self.release_run(run));
-        }
-        released
-    }
-
-    /// Unmaps `run`, adjacent units taken out of the units, in one call and
-    /// releases their chunks; should that call fail, unit by unit.
-    fn release_run(&mut self, run: Vec<Mapping<B>>) -> Vec<(Va, u64)> {
-        let vas: Vec<(Va, u64)> = run
-            .iter()
-            .map(|m| (Va(m.va().0), m.size() as u64))
-            .collect();
-        let run = if run.len() == 1 {
-            run
-        } else {
-            match Mapping::unmap_run(run) {
-                Ok(chunks) => {
-                    self.counters.unmaps += chunks.len() as u64;
-                    for chunk in chunks {
-                        self.release(chunk);
-                    }
-                    return vas;
-                }
-                Err((err, run)) => {
-                    tracing::debug!(%err, units = run.len(), "could not unmap a run; unit by unit");
-                    run
-                }
-            }
-        };
-        let mut released = Vec::new();
-        for (mapping, (va, len)) in run.into_iter().zip(vas) {
+        for va in vas {
+            let Some(mapping) = self.units.remove(&va) else {
+                continue;
+            };
+            let len = mapping.size() as u64;
             match self.unmap(mapping) {
                 Ok(chunk) => {
                     self.release(chunk);
@@ -470,6 +425,7 @@ impl<B: Backend> Space<B> {
                 }
             }
         }
+        released.sort_unstable_by_key(|&(va, _)| va);
         released
     }
 

@@ -168,9 +168,6 @@ impl<B: Backend> Drop for Chunk<B> {
     }
 }
 
-/// Chunks handed back by [`Mapping::unmap_run`], in address order.
-pub type Chunks<B> = Vec<Arc<Chunk<B>>>;
-
 /// A whole chunk mapped at `va` inside a reservation. Unmapped on
 /// [`Mapping::unmap`] or on drop.
 pub struct Mapping<B: Backend> {
@@ -233,39 +230,6 @@ impl<B: Backend> Mapping<B> {
             }
             Err(err) => Err((err, self)),
         }
-    }
-
-    /// Unmaps a run of mappings that lie side by side in one reservation,
-    /// in address order, with one driver call, and hands their chunks back
-    /// in that order. One call for the run costs the driver less than one a
-    /// mapping where it has to wait for work on the device (docs/RESULTS.md,
-    /// "Sleep and wake at the copy's speed"). On failure, or for mappings
-    /// that are not such a run, they come back untouched with the error.
-    pub fn unmap_run(run: Vec<Self>) -> Result<Chunks<B>, (crate::Error, Vec<Self>)> {
-        let adjacent = run.windows(2).all(|pair| {
-            Arc::ptr_eq(&pair[0].reservation, &pair[1].reservation)
-                && pair[0].va.byte_add(pair[0].size()) == pair[1].va
-        });
-        let Some(first) = run.first().filter(|_| adjacent) else {
-            let err = crate::Error::invalid(
-                "Mapping::unmap_run",
-                "not a run of adjacent mappings in one reservation",
-            );
-            return Err((err, run));
-        };
-        let size = run.iter().map(Mapping::size).sum();
-        let (va, backend) = (first.va, Arc::clone(&first.reservation.backend));
-        if let Err(err) = backend.unmap(va, size) {
-            return Err((err, run));
-        }
-        tracing::trace!(%va, size, mappings = run.len(), "unmapped a run");
-        Ok(run
-            .into_iter()
-            .map(|mut m| {
-                m.unmapped = true;
-                Arc::clone(&m.chunk)
-            })
-            .collect())
     }
 
     /// The address the chunk is mapped at.

@@ -225,53 +225,6 @@ pub fn unmap_a_run_of_mappings<B: TestBackend>(b: &Arc<B>) {
     );
 }
 
-/// `Mapping::unmap_run` unmaps adjacent mappings in one call and hands
-/// their chunks back in order, which then map again with their data; a
-/// list that is not such a run comes back mapped, untouched.
-pub fn mapping_unmap_run<B: TestBackend>(b: &Arc<B>) {
-    let g = granularity(b);
-    let s = b.create_stream(DEV).unwrap();
-    let r = Reservation::new(b, 8 * g, 0).unwrap();
-    let chunks: Vec<_> = [g, 2 * g, g]
-        .into_iter()
-        .map(|size| Chunk::new(b, DEV, size).unwrap())
-        .collect();
-    let map = |offsets: [usize; 3]| -> Vec<Mapping<B>> {
-        chunks
-            .iter()
-            .zip(offsets)
-            .map(|(c, offset)| Mapping::new(&r, offset, c).unwrap())
-            .collect()
-    };
-    // Not adjacent: a hole between the second and the third.
-    let Err((err, apart)) = Mapping::unmap_run(map([0, g, 4 * g])) else {
-        panic!("unmapped mappings that are not a run");
-    };
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert_eq!(apart.len(), 3);
-    for m in &apart {
-        assert!(b.unmap(m.va(), m.size()).is_ok(), "left mapped");
-        b.map(m.va(), m.chunk().handle()).unwrap();
-    }
-    drop(apart);
-    // The run [0, 4g).
-    let run = map([0, g, 3 * g]);
-    b.set_access(r.base(), 4 * g, &[AccessDesc::read_write(DEV)])
-        .unwrap();
-    b.fill_u32(&s, r.base().byte_add(g), 2 * g / 4, 0x5EED)
-        .unwrap();
-    b.synchronize_stream(&s).unwrap();
-    let Ok(back) = Mapping::unmap_run(run) else {
-        panic!("a run of adjacent mappings did not unmap");
-    };
-    assert!(back.iter().zip(&chunks).all(|(a, c)| Arc::ptr_eq(a, c)));
-    assert!(b.unmap(r.base(), g).is_err(), "still mapped");
-    let again = Mapping::new(&r, 4 * g, &back[1]).unwrap();
-    again.set_access(&[AccessDesc::read_write(DEV)]).unwrap();
-    assert_eq!(read_u32s(&**b, &s, again.va(), 16), vec![0x5EED; 16]);
-    assert!(Mapping::unmap_run(Vec::<Mapping<B>>::new()).is_err());
-}
-
 pub fn set_access_errors<B: TestBackend>(b: &Arc<B>) {
     let g = granularity(b);
     let f = fixture(b, 2);
@@ -840,7 +793,6 @@ macro_rules! cases {
                 map_errors,
                 double_unmap,
                 unmap_a_run_of_mappings,
-                mapping_unmap_run,
                 set_access_errors,
                 remap_keeps_data,
                 copies_through_host_memory,
