@@ -106,7 +106,7 @@ header() {
 run() {
     local title=$1
     shift
-    header "$title" "${*/#$here/gpu-bundle}" | tee -a "$log"
+    header "$title" "${*//$here/gpu-bundle}" | tee -a "$log"
     "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     echo "exit: $rc" | tee -a "$log"
