@@ -99,11 +99,11 @@ impl Cuda {
 
     /// See [`crate::Backend::copy_device_to_host_pipelined`]: every batch
     /// is queued at once, each followed by an event; then each event is
-    /// awaited in turn and `done` called for its batch. The copy engine so
-    /// never waits for `done`: on the H200 releasing a 2 MiB chunk takes
-    /// 30-60 us while a copy runs, often longer than the copy of its bytes
-    /// (38 us), and a window of four batches left the copy waiting for
-    /// the releases (Note [Sleep and wake] in docs/DESIGN.md).
+    /// awaited in turn and `done` called for its batch, so that the copy
+    /// engine never waits for `done`. On the H200, releasing a 2 MiB chunk
+    /// takes 30-60 us while a copy runs, often longer than copying its
+    /// bytes (38 us), and a window of four batches left the copy waiting
+    /// for the releases (Note [Sleep and wake] in docs/DESIGN.md).
     pub(super) fn copy_out_pipelined(
         &self,
         stream: &CudaStream,
