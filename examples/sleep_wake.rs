@@ -84,10 +84,11 @@ fn run<B: TestBackend>(b: Arc<B>, args: &Args) -> Result<()> {
         } else {
             gib * GIB
         };
-        let pool = ctx.create_pool(&PoolProps {
-            chunk_divisor: (!args.whole_chunks).then_some(vmpool::DEFAULT_CHUNK_DIVISOR),
-            ..PoolProps::new(DEV)
-        })?;
+        let mut props = PoolProps::new(DEV);
+        if args.whole_chunks {
+            props.chunk_divisor = None;
+        }
+        let pool = ctx.create_pool(&props)?;
         pool.set_retention(Retention::Keep);
         let mut live: Vec<(Allocation, u32)> = Vec::new();
         for i in 0..bytes / BUFFER {
