@@ -286,10 +286,7 @@ pub fn plan_bridge(request: u64, inputs: &Inputs<'_>, releasable: &[UnitSize]) -
             (hole, sources)
         })
         .collect();
-    let mut new: u64 = holes
-        .iter()
-        .map(|(_, sources): &(Gap, Vec<Source>)| created(sources))
-        .sum();
+    let mut new = created(holes.iter().flat_map(|(_, sources)| sources));
     let mut release = Vec::new();
     // Only units no stream may still use can go; those left unmoved.
     let releasable: FxHashSet<u64> = releasable.iter().map(|u| u.va).collect();
