@@ -6,11 +6,14 @@ Runs each workload in a process of its own under each allocator:
     native            PyTorch's caching allocator
     expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-    vmpool            libvmpool_c.so through CUDAPluggableAllocator
+    vmpool            libvmpool_c.so through CUDAPluggableAllocator, a step
+                      marked at each optimizer step (install()'s default)
+    vmpool-unmarked   the same with no step marked (VMPOOL_MARK_STEPS=0)
     vmpool@SIZE       the same with VMPOOL_CHUNK_SIZE=SIZE (e.g. vmpool@4MiB)
     vmpool/N          the same with VMPOOL_CHUNK_DIVISOR=N (e.g. vmpool/4096;
                       vmpool/off: fixed VMPOOL_CHUNK_SIZE chunks)
-    vmpool-steps      vmpool, a step marked after each step
+    vmpool-steps      vmpool, a step marked after each step of the loop
+                      (not at optimizer steps), generation's too
     vmpool-steps/N    the same with VMPOOL_CHUNK_DIVISOR=N
     vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
                       compare two builds in one run (scripts/gpu-build.sh
@@ -76,9 +79,11 @@ ALLOCATORS = {
     "native": "",
     "expandable": "expandable_segments:True",
     "cudaMallocAsync": "backend:cudaMallocAsync",
+    # vmpool as install() leaves it: a step marked at each optimizer step.
     "vmpool": "",
-    # vmpool, a step marked after each step (vmpool.torch.mark_step): from
-    # the third step on, a repeating step is served from its layout.
+    "vmpool-unmarked": "",
+    # vmpool, a step marked after each step of the loop (vmpool.torch.mark_step)
+    # instead: from the third step on, a repeating step is served from its layout.
     "vmpool-steps": "",
 }
 WARMUP = 3
@@ -285,7 +290,7 @@ def segment_calls(memory):
 
 
 def is_vmpool(allocator):
-    return allocator in ("vmpool", "vmpool-steps") or allocator.startswith(
+    return allocator in ("vmpool", "vmpool-unmarked", "vmpool-steps") or allocator.startswith(
         ("vmpool@", "vmpool/", "vmpool=", "vmpool-steps/"))
 
 
@@ -383,6 +388,10 @@ def run_child(workload, allocator, args, trace=None):
         # version check, or be of another version: warn, do not refuse.
         env["VMPOOL_ALLOW_MISMATCH"] = "1"
     if is_vmpool(allocator):
+        # Marks at optimizer steps (install()'s), unless the loop marks its
+        # own steps or none are wanted.
+        unmarked = allocator == "vmpool-unmarked" or allocator.startswith("vmpool-steps")
+        env["VMPOOL_MARK_STEPS"] = "0" if unmarked else "1"
         # Two clock reads a call, to show vmpool's share of the step time:
         # 60-100 ns a call on the H200's host, counted against vmpool's
         # step time (README.md, "PyTorch"); --no-call-timing leaves it out.

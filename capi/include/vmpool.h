@@ -25,6 +25,7 @@
  * | `VMPOOL_HOST_DEVICES` | the host backend's devices | `1` |
  * | `VMPOOL_HOST_MEMORY` | the host backend's memory per device, in bytes | `4G` |
  * | `VMPOOL_LIB` | where the Python package finds the library (read by the package only; `VMPOOL_ALLOW_MISMATCH=1` warns instead of refusing another version) | in the package, then `target/release/` |
+ * | `VMPOOL_MARK_STEPS` | `0`: `vmpool.torch.install()` marks no step at optimizer steps (read by the Python package only; `install(mark_steps=...)` wins) | `1` (a step marked after each `torch.optim` optimizer's `step()`) |
  *
  * Streams: `stream` is a CUstream / cudaStream_t of the device's primary
  * context (the runtime API's contexts), or 0 for the legacy default stream.

@@ -300,7 +300,7 @@ mod tests {
                     && w[7..].chars().all(|c| c.is_ascii_uppercase() || c == '_')
             })
             .collect();
-        read.extend(["VMPOOL_RECORD", "VMPOOL_LIB"]);
+        read.extend(["VMPOOL_RECORD", "VMPOOL_LIB", "VMPOOL_MARK_STEPS"]);
         read.sort();
         read.dedup();
         for name in read {

@@ -15,7 +15,7 @@ import pytest
 
 FAKE_TORCH = {
     "torch/__init__.py": """
-        from . import cuda
+        from . import cuda, optim
 
         class OutOfMemoryError(RuntimeError):
             pass
@@ -32,6 +32,11 @@ FAKE_TORCH = {
         def current_device():
             return 0
 
+        capturing = False
+
+        def is_current_stream_capturing():
+            return capturing
+
         _handles = 0
 
         def graph_pool_handle():
@@ -41,6 +46,20 @@ FAKE_TORCH = {
 
         MemPool = memory.MemPool
         use_mem_pool = memory.use_mem_pool
+    """,
+    "torch/optim/__init__.py": """
+        from . import optimizer
+    """,
+    "torch/optim/optimizer.py": """
+        hooks = []
+
+        def register_optimizer_step_post_hook(hook):
+            hooks.append(hook)
+
+        def step():
+            # What Optimizer.step() does after its update.
+            for hook in hooks:
+                hook(None, (), {})
     """,
     "torch/cuda/_utils.py": """
         def _get_device_index(device, optional=False):
@@ -151,6 +170,50 @@ def test_install_hooks_pytorch(fake_torch):
         print("ok")
     """
     assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
+def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
+    script = """
+        import torch
+        import vmpool, vmpool.torch
+
+        vmpool.torch.install()
+        vmpool.torch.install()  # the hook once, however often installed
+        assert len(torch.optim.optimizer.hooks) == 1
+        p = vmpool.alloc(3 << 20)
+        for _ in range(3):
+            torch.optim.optimizer.step()
+        assert vmpool.torch.stats().steps == 3, vmpool.torch.stats().steps
+        # A captured optimizer step replays with no Python: not a step.
+        torch.cuda.capturing = True
+        torch.optim.optimizer.step()
+        torch.cuda.capturing = False
+        assert vmpool.torch.stats().steps == 3
+        vmpool.free(p)
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("setting", "hooks"), [("0", "0"), (" 1 ", "1"), ("yes", "VMPOOL_MARK_STEPS='yes': 1 (mark a step")]
+)
+def test_vmpool_mark_steps_turns_the_marks_off(fake_torch, setting, hooks):
+    script = """
+        import torch
+        import vmpool.torch
+
+        try:
+            vmpool.torch.install()
+            print(len(torch.optim.optimizer.hooks))
+        except ValueError as err:
+            print(err)
+    """
+    env = dict(fake_torch, VMPOOL_MARK_STEPS=setting)
+    assert _python(env, "-c", textwrap.dedent(script)).startswith(hooks)
+    # The argument wins over the setting.
+    script = script.replace("install()", "install(mark_steps=False)")
+    assert _python(env, "-c", textwrap.dedent(script)).strip() == "0"
 
 
 def test_the_launcher_runs_a_script_as_python_would(fake_torch, tmp_path):

@@ -45,7 +45,6 @@ __all__ = [
     "install",
     "main",
     "mark_step",
-    "mark_steps",
     "memory_snapshot",
     "print_snapshot",
     "record_history",
@@ -108,10 +107,17 @@ def allocator() -> Any:
     return pluggable
 
 
-def install() -> Any:
+def install(mark_steps: bool | None = None) -> Any:
     """Makes vmpool PyTorch's CUDA allocator; returns the
     `CUDAPluggableAllocator` (`allocator()`). Call it before anything
     allocates CUDA memory (PyTorch refuses the change afterwards).
+
+    With `mark_steps` (by default, unless `VMPOOL_MARK_STEPS=0`), every
+    `torch.optim` optimizer's `step()` ends a step of the current device's
+    pool (`mark_step()`), so that a training loop whose steps repeat is
+    laid out and stops calling the driver without a change to the program
+    (Note [Step layouts] in docs/DESIGN.md). A loop with no optimizer (a
+    server, a generation loop) calls `mark_step()` itself.
 
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
     graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
@@ -135,7 +141,39 @@ def install() -> Any:
     _redirect_torch_statistics(torch)
     _redirect_torch_history(torch)
     torch.cuda.MemPool = torch.cuda.memory.MemPool = MemPool
+    if mark_steps is None:
+        mark_steps = _mark_steps_setting(os.environ.get("VMPOOL_MARK_STEPS"))
+    if mark_steps:
+        _mark_optimizer_steps(torch)
     return pluggable
+
+
+def _mark_steps_setting(value: str | None) -> bool:
+    """`VMPOOL_MARK_STEPS` as `install()` reads it: on unless `0`."""
+    if value is None or value.strip() == "1":
+        return True
+    if value.strip() == "0":
+        return False
+    raise ValueError(f"VMPOOL_MARK_STEPS={value!r}: 1 (mark a step at each optimizer step, the default) or 0")
+
+
+_marking_optimizer_steps = False
+
+
+def _mark_optimizer_steps(torch: Any) -> None:
+    """Marks a step of the current device's pool after every optimizer's
+    `step()`, once per process; none while a CUDA graph is being captured
+    (a captured optimizer step runs again at each replay, with no Python)."""
+    global _marking_optimizer_steps
+    if _marking_optimizer_steps:
+        return
+
+    def after_step(*_: Any) -> None:
+        if not torch.cuda.is_current_stream_capturing():
+            mark_step()
+
+    torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+    _marking_optimizer_steps = True
 
 
 class MemPool:
@@ -350,12 +388,6 @@ def mark_step(device: Device = None) -> None:
     needed about as much as the layout holds. `stats()` counts `planned`
     and `missed` allocations."""
     _lib.mark_step(_index(device))
-
-
-def mark_steps(optimizer: Any, device: Device = None) -> Any:
-    """Calls `mark_step(device)` after each `optimizer.step()`; returns the
-    hook's handle (`handle.remove()` stops it)."""
-    return optimizer.register_step_post_hook(lambda *_: mark_step(device))
 
 
 def reset_peaks(device: Device = None) -> None:
