@@ -48,7 +48,9 @@ FAKE_TORCH = {
         use_mem_pool = memory.use_mem_pool
     """,
     "torch/optim/__init__.py": """
+        # As PyTorch's: the submodule loaded, its name not left here.
         from . import optimizer
+        del optimizer
     """,
     "torch/optim/optimizer.py": """
         hooks = []
@@ -177,16 +179,18 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
         import torch
         import vmpool, vmpool.torch
 
+        import torch.optim.optimizer as optimizer
+
         vmpool.torch.install()
         vmpool.torch.install()  # the hook once, however often installed
-        assert len(torch.optim.optimizer.hooks) == 1
+        assert len(optimizer.hooks) == 1
         p = vmpool.alloc(3 << 20)
         for _ in range(3):
-            torch.optim.optimizer.step()
+            optimizer.step()
         assert vmpool.torch.stats().steps == 3, vmpool.torch.stats().steps
         # A captured optimizer step replays with no Python: not a step.
         torch.cuda.capturing = True
-        torch.optim.optimizer.step()
+        optimizer.step()
         torch.cuda.capturing = False
         assert vmpool.torch.stats().steps == 3
         vmpool.free(p)
@@ -200,12 +204,12 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
 )
 def test_vmpool_mark_steps_turns_the_marks_off(fake_torch, setting, hooks):
     script = """
-        import torch
+        import torch.optim.optimizer as optimizer
         import vmpool.torch
 
         try:
             vmpool.torch.install()
-            print(len(torch.optim.optimizer.hooks))
+            print(len(optimizer.hooks))
         except ValueError as err:
             print(err)
     """

@@ -172,7 +172,10 @@ def _mark_optimizer_steps(torch: Any) -> None:
         if not torch.cuda.is_current_stream_capturing():
             mark_step()
 
-    torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+    # PyTorch's `torch.optim` hides its `optimizer` module: imported by name.
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(after_step)
     _marking_optimizer_steps = True
 
 
