@@ -311,6 +311,63 @@ pub fn shapes_drawn_apart_settle_at_their_largest<B: TestBackend>(b: &Arc<B>) {
     heap.audit().unwrap();
 }
 
+/// How a training step's end is marked.
+#[derive(Clone, Copy)]
+enum MarkAt {
+    /// `mark_step` where the optimizer steps, before the gradients go.
+    OptimizerStep,
+    /// `mark_step_at_next_allocation` there: the mark lands after them.
+    NextAllocation,
+}
+
+/// A training step whose end is marked where an optimizer's step hook
+/// runs: activations made and freed, gradients made, the mark, then the
+/// gradients freed (`zero_grad`).
+fn optimizer_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, mark: MarkAt) {
+    let acts: Vec<Allocation> = (1..=6)
+        .map(|i| pool.allocate_async(i * MIB + 256, s).unwrap())
+        .collect();
+    let grads: Vec<Allocation> = (1..=6)
+        .map(|i| pool.allocate_async(i * 512 * KIB, s).unwrap())
+        .collect();
+    for a in acts.into_iter().rev() {
+        pool.free_async(a, s).unwrap();
+    }
+    match mark {
+        MarkAt::OptimizerStep => pool.mark_step().unwrap(),
+        MarkAt::NextAllocation => pool.mark_step_at_next_allocation(),
+    }
+    for g in grads {
+        pool.free_async(g, s).unwrap();
+    }
+}
+
+pub fn a_mark_at_the_next_allocation_takes_in_the_last_frees<B: TestBackend>(b: &Arc<B>) {
+    let planned = |mark: MarkAt| {
+        let ctx = Context::new(Arc::clone(b)).unwrap();
+        let pool = pool(&ctx);
+        let s = ctx.create_stream(DEV).unwrap();
+        for _ in 0..4 {
+            optimizer_step(&pool, &s, mark);
+        }
+        let (maps, before) = (pool.stats().maps, pool.step_counters());
+        for _ in 0..5 {
+            optimizer_step(&pool, &s, mark);
+        }
+        let after = pool.step_counters();
+        assert_eq!(pool.stats().maps, maps, "a repeated step mapped chunks");
+        assert_eq!(after.missed, before.missed);
+        ctx.synchronize_stream(&s).unwrap();
+        pool.audit().unwrap();
+        after.planned - before.planned
+    };
+    // Marked before the gradients go, they live across the mark and stay
+    // on the heap; marked at the next allocation, the whole step is laid
+    // out.
+    assert_eq!(planned(MarkAt::OptimizerStep), 5 * 6);
+    assert_eq!(planned(MarkAt::NextAllocation), 5 * 12);
+}
+
 /// A step of kind `kind`, then a mark: `kind + 2` allocations, freed in
 /// reverse, so that two kinds part at the first free of the smaller.
 fn kind_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, kind: u64) {
@@ -631,6 +688,7 @@ pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
 
 suites!(
     a_repeated_step_maps_nothing,
+    a_mark_at_the_next_allocation_takes_in_the_last_frees,
     a_layout_counts_only_what_the_program_holds,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,

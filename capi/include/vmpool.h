@@ -178,6 +178,11 @@ int vmpool_reset_peaks(int device);
  * driver calls (docs/DESIGN.md, Note [Step layouts]). 0 / -1. */
 int vmpool_mark_step(int device);
 
+/* The same at device's pool's next allocation, so that the frees until
+ * then belong to the step ending: for a hook that runs before a step's
+ * last frees (after an optimizer's step, before its gradients go). 0 / -1. */
+int vmpool_mark_step_at_next_alloc(int device);
+
 typedef struct {
     uint64_t valid; /* 0: the call failed (logged) */
     uint64_t reserved_bytes, reserved_high; /* physical memory held, most held */

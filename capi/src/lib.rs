@@ -426,14 +426,27 @@ pub extern "C" fn vmpool_set_memory_fraction(fraction: f64, device: c_int) {
 /// Marks the end of a step of a program that repeats its work (a training
 /// step, a serving iteration) on `device`'s pool: once steps repeat, the
 /// pool serves them from a layout, without driver calls (Note [Step
-/// layouts] in docs/DESIGN.md; `vmpool.torch.mark_steps` calls it after
-/// each optimizer step). 0, or -1 on failure (logged).
+/// layouts] in docs/DESIGN.md). 0, or -1 on failure (logged).
 #[unsafe(no_mangle)]
 pub extern "C" fn vmpool_mark_step(device: c_int) -> c_int {
     call(
         "mark_step",
         -1,
         |g| with_shim!(g, s => s.mark_step(i64::from(device)).map(|()| 0)),
+    )
+}
+
+/// Marks the end of a step on `device`'s pool at its next allocation, so
+/// that the frees until then belong to the step ending: for a hook that
+/// runs before a step's last frees (`vmpool.torch.install()` calls it after
+/// each optimizer step; the gradients are freed after it). 0, or -1 on
+/// failure (logged).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_mark_step_at_next_alloc(device: c_int) -> c_int {
+    call(
+        "mark_step_at_next_alloc",
+        -1,
+        |g| with_shim!(g, s => s.mark_step_at_next_alloc(i64::from(device)).map(|()| 0)),
     )
 }
 

@@ -632,16 +632,6 @@ impl<B: Backend> Shim<B> {
         Ok(())
     }
 
-    /// Marks the end of a step on `device`'s pool (`Pool::mark_step`); a
-    /// device with no pool yet has nothing to lay out.
-    pub fn mark_step(&self, device: i64) -> Result<(), CallError> {
-        let dev = self.device(device)?;
-        match dev.pool.get() {
-            Some(pool) => Ok(pool.mark_step()?),
-            None => Ok(()),
-        }
-    }
-
     /// The device's figures; all zero before its first allocation.
     pub fn figures(&self, device: i64) -> Result<Figures, CallError> {
         let dev = self.device(device)?;
@@ -696,5 +686,6 @@ impl<B: Backend> Shim<B> {
 
 mod mem_pools;
 mod sleep;
+mod steps;
 #[cfg(test)]
 mod tests;

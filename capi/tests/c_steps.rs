@@ -1,11 +1,12 @@
-//! `vmpool_mark_step` as a C caller calls it, on the host backend, in a
+//! `vmpool_mark_step` (and its `_at_next_alloc` form) as a C caller calls it, on the host backend, in a
 //! process of its own: marking steps changes how the device's pool serves
 //! every later allocation, which the other C tests share.
 
 use std::ffi::c_void;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_empty_cache, vmpool_free, vmpool_mark_step, vmpool_stats,
+    vmpool_alloc, vmpool_backend, vmpool_empty_cache, vmpool_free, vmpool_mark_step,
+    vmpool_mark_step_at_next_alloc, vmpool_stats,
 };
 
 const MIB: isize = 1 << 20;
@@ -77,4 +78,17 @@ fn marked_steps_are_served_from_a_layout() {
         assert_eq!(vmpool_mark_step(0), 0);
     }
     assert_eq!(vmpool_stats(0).step_layouts, 2);
+    // A mark at the next allocation: the frees before it end the step.
+    let marks = vmpool_stats(0).steps;
+    let grads = vmpool_alloc(MIB, 0, stream());
+    assert_eq!(vmpool_mark_step_at_next_alloc(0), 0);
+    vmpool_free(grads, MIB, 0, stream());
+    assert_eq!(vmpool_stats(0).steps, marks, "no allocation yet");
+    step();
+    assert_eq!(vmpool_stats(0).steps, marks + 1);
+    assert_eq!(
+        vmpool_mark_step_at_next_alloc(7),
+        -1,
+        "a device the host backend lacks"
+    );
 }

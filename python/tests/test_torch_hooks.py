@@ -185,13 +185,18 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
         vmpool.torch.install()  # the hook once, however often installed
         assert len(optimizer.hooks) == 1
         p = vmpool.alloc(3 << 20)
-        for _ in range(3):
+        for step in range(1, 4):
+            grads = vmpool.alloc(1 << 20)
             optimizer.step()
-        assert vmpool.torch.stats().steps == 3, vmpool.torch.stats().steps
+            vmpool.free(grads)  # zero_grad: still the step ending
+            assert vmpool.torch.stats().steps == step - 1
+            vmpool.free(vmpool.alloc(1 << 20))  # the next step's first allocation
+            assert vmpool.torch.stats().steps == step, vmpool.torch.stats().steps
         # A captured optimizer step replays with no Python: not a step.
         torch.cuda.capturing = True
         optimizer.step()
         torch.cuda.capturing = False
+        vmpool.free(vmpool.alloc(1 << 20))
         assert vmpool.torch.stats().steps == 3
         vmpool.free(p)
         print("ok")

@@ -162,6 +162,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_synchronize": (c.c_int, [c.c_int]),
         "vmpool_reset_peaks": (c.c_int, [c.c_int]),
         "vmpool_mark_step": (c.c_int, [c.c_int]),
+        "vmpool_mark_step_at_next_alloc": (c.c_int, [c.c_int]),
         "vmpool_print_snapshot": (c.c_int, [c.c_int]),
         "vmpool_snapshot": (c.c_ssize_t, [c.c_int, c.c_char_p, c.c_size_t]),
         "vmpool_trim": (c.c_int, [c.c_int, c.c_uint64]),
@@ -482,6 +483,13 @@ def mark_step(device: int = 0) -> None:
     steps repeat, `device`'s pool serves them from a layout, without driver
     calls (Note [Step layouts] in docs/DESIGN.md)."""
     _check("mark_step", library().vmpool_mark_step(device))
+
+
+def mark_step_at_next_alloc(device: int = 0) -> None:
+    """`mark_step(device)` at the device pool's next allocation, so that the
+    frees until then belong to the step ending (after an optimizer's step,
+    before its gradients are freed)."""
+    _check("mark_step_at_next_alloc", library().vmpool_mark_step_at_next_alloc(device))
 
 
 def reset_peaks(device: int = 0) -> None:

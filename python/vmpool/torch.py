@@ -114,10 +114,11 @@ def install(mark_steps: bool | None = None) -> Any:
 
     With `mark_steps` (by default, unless `VMPOOL_MARK_STEPS=0`), every
     `torch.optim` optimizer's `step()` ends a step of the current device's
-    pool (`mark_step()`), so that a training loop whose steps repeat is
-    laid out and stops calling the driver without a change to the program
-    (Note [Step layouts] in docs/DESIGN.md). A loop with no optimizer (a
-    server, a generation loop) calls `mark_step()` itself.
+    pool at its next allocation, after the gradients are freed, so that a
+    training loop whose steps repeat is laid out and stops calling the
+    driver without a change to the program (Note [Step layouts] in
+    docs/DESIGN.md). A loop with no optimizer (a server, a generation loop)
+    calls `mark_step()` itself.
 
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
     graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
@@ -170,7 +171,9 @@ def _mark_optimizer_steps(torch: Any) -> None:
 
     def after_step(*_: Any) -> None:
         if not torch.cuda.is_current_stream_capturing():
-            mark_step()
+            # At the next allocation: the gradients, freed after the
+            # optimizer's step (`zero_grad`), belong to the step ending.
+            _lib.mark_step_at_next_alloc(_index(None))
 
     # PyTorch's `torch.optim` hides its `optimizer` module: imported by name.
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -69,6 +69,8 @@ struct Shared<B: Backend> {
     /// (Note [Step layouts]). Never cleared, since planned allocations
     /// must come back to it.
     stepping: AtomicBool,
+    /// A mark is due at the next allocation ([`Pool::mark_step_at_next_allocation`]).
+    mark_due: AtomicBool,
     backend: Arc<B>,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -85,6 +87,7 @@ struct Shared<B: Backend> {
 // What every call reads outside the lock lies on the first cache line.
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, asleep) < 64);
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, stepping) < 64);
+const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, mark_due) < 64);
 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
@@ -201,6 +204,7 @@ impl<B: Backend> Pool<B> {
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
+            mark_due: AtomicBool::new(false),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
         });
         let mut list = lock(siblings);
@@ -377,6 +381,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         let rounded = size.next_multiple_of(QUANTUM);
+        self.mark_if_due()?;
         if self.0.stepping.load(Ordering::Acquire) {
             return self.allocate_stepping(size, rounded, stream);
         }

@@ -119,6 +119,28 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// Marks the end of a step at the pool's next allocation, before that
+    /// allocation is served, as [`Pool::mark_step`] would there: for a
+    /// hook that runs once a step's work is queued but before its last
+    /// frees, such as after an optimizer's step, whose gradients are freed
+    /// after it. The frees until then end the step, so the step holds what
+    /// it allocates and frees, and lays out. Called again before that
+    /// allocation, it changes nothing; a failed mark fails the allocation.
+    pub fn mark_step_at_next_allocation(&self) {
+        self.0.mark_due.store(true, Ordering::Release);
+    }
+
+    /// The mark [`Pool::mark_step_at_next_allocation`] asked for, before an
+    /// allocation: a load of the pool's first line when none is due.
+    #[inline]
+    pub(super) fn mark_if_due(&self) -> Result<()> {
+        if self.0.mark_due.load(Ordering::Relaxed) && self.0.mark_due.swap(false, Ordering::AcqRel)
+        {
+            self.mark_step()?;
+        }
+        Ok(())
+    }
+
     /// Gives up a layout nothing planned lives in now, its region freed
     /// in stream order: asked for its unused memory, the pool counts an
     /// idle region as unused. Steps that repeat lay out again.
