@@ -113,8 +113,8 @@ def install(mark_steps: bool | None = None) -> Any:
     allocates CUDA memory (PyTorch refuses the change afterwards).
 
     With `mark_steps` (by default, unless `VMPOOL_MARK_STEPS=0`), every
-    `torch.optim` optimizer's `step()` ends a step of the current device's
-    pool at its next allocation, after the gradients are freed, so that a
+    `torch.optim` optimizer's `step()` ends a step of every device's pool
+    at its next allocation, after the gradients are freed, so that a
     training loop whose steps repeat is laid out and stops calling the
     driver without a change to the program (Note [Step layouts] in
     docs/DESIGN.md). A loop with no optimizer (a server, a generation loop)
@@ -162,7 +162,7 @@ _marking_optimizer_steps = False
 
 
 def _mark_optimizer_steps(torch: Any) -> None:
-    """Marks a step of the current device's pool after every optimizer's
+    """Marks a step of every device's pool after every optimizer's
     `step()`, once per process; none while a CUDA graph is being captured
     (a captured optimizer step runs again at each replay, with no Python)."""
     global _marking_optimizer_steps
@@ -171,9 +171,12 @@ def _mark_optimizer_steps(torch: Any) -> None:
 
     def after_step(*_: Any) -> None:
         if not torch.cuda.is_current_stream_capturing():
-            # At the next allocation: the gradients, freed after the
-            # optimizer's step (`zero_grad`), belong to the step ending.
-            _lib.mark_step_at_next_alloc(_index(None))
+            # At each pool's next allocation: the gradients, freed after
+            # the optimizer's step (`zero_grad`), belong to the step ending.
+            # Every device: a model split over several steps on all of them
+            # (a device with no pool has nothing to mark).
+            for device in range(torch.cuda.device_count()):
+                _lib.mark_step_at_next_alloc(device)
 
     # PyTorch's `torch.optim` hides its `optimizer` module: imported by name.
     from torch.optim.optimizer import register_optimizer_step_post_hook
