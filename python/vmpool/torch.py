@@ -29,6 +29,7 @@ import ctypes
 import os
 import runpy
 import sys
+import warnings
 from typing import Any, Union
 
 from . import _lib, nccl
@@ -167,6 +168,10 @@ def _mark_optimizer_steps(torch: Any) -> None:
     (a captured optimizer step runs again at each replay, with no Python)."""
     global _marking_optimizer_steps
     if _marking_optimizer_steps:
+        return
+    if not hasattr(library(), "vmpool_mark_step_at_next_alloc"):
+        # An older build let in by VMPOOL_ALLOW_MISMATCH.
+        warnings.warn("this vmpool library cannot mark steps at optimizer steps", RuntimeWarning, stacklevel=3)
         return
 
     def after_step(*_: Any) -> None:
