@@ -27,7 +27,9 @@ FAKE_TORCH = {
             return True
 
         def device_count():
-            return 1
+            import os
+
+            return int(os.environ.get("VMPOOL_HOST_DEVICES", "1"))
 
         def current_device():
             return 0
@@ -199,9 +201,16 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
         vmpool.free(vmpool.alloc(1 << 20))
         assert vmpool.torch.stats().steps == 3
         vmpool.free(p)
+        # Every device's pool: the second device's marks at its own next allocation.
+        q = vmpool.alloc(1 << 20, device=1)
+        optimizer.step()
+        vmpool.free(vmpool.alloc(1 << 20, device=1))
+        assert vmpool.torch.stats(1).steps == 1 and vmpool.torch.stats(0).steps == 3
+        vmpool.free(q, device=1)
         print("ok")
     """
-    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
+    env = dict(fake_torch, VMPOOL_HOST_DEVICES="2")
+    assert _python(env, "-c", textwrap.dedent(script)).strip() == "ok"
 
 
 @pytest.mark.parametrize(
