@@ -178,8 +178,8 @@ def _mark_optimizer_steps(torch: Any) -> None:
         if not torch.cuda.is_current_stream_capturing():
             # At each pool's next allocation: the gradients, freed after
             # the optimizer's step (`zero_grad`), belong to the step ending.
-            # Every device: a model split over several steps on all of them
-            # (a device with no pool has nothing to mark).
+            # Every device: a model split over several GPUs steps on all of
+            # them at once (a device with no pool has nothing to mark).
             for device in range(torch.cuda.device_count()):
                 _lib.mark_step_at_next_alloc(device)
 
