@@ -74,6 +74,12 @@ const SLACK_HUNDREDTHS: u64 = 102;
 /// costs its placement and a region for nothing.
 const MOST_REPEATS_AWAITED: u32 = 8;
 
+/// A step that goes on past its layout's last event keeps the layout
+/// while the heap grows beside the idle region by at most this many
+/// hundredths of it, in all: more, and the region's memory serves the heap
+/// instead (docs/RESULTS.md, "Steps that go on past their layout").
+const GROWTH_PAST_HUNDREDTHS: u64 = 1;
+
 /// The most allocations a step records: a program that marks one step and
 /// never another must not record forever. Some 40 MB of recording at most.
 const MAX_ALLOCATIONS: usize = 1 << 21;
@@ -132,6 +138,9 @@ struct Active<R> {
     /// The marks made when it was installed: the step it serves first is
     /// the one that ends at the next.
     since: u64,
+    /// Bytes the heap grew for, past the layout's last event
+    /// ([`Steps::grow_past`]).
+    grown_past: u64,
 }
 
 /// A region to split around its live planned allocations.
@@ -399,6 +408,35 @@ impl<R> Steps<R> {
         }
     }
 
+    /// Whether the step has gone on past its layout's last event with
+    /// nothing planned live: the layout has served the step, and the
+    /// region is idle while what follows comes from the heap.
+    pub(crate) fn overran(&self) -> bool {
+        self.active
+            .as_ref()
+            .is_some_and(|a| self.current.events.len() > a.events.len() && a.region.live.is_empty())
+    }
+
+    /// An allocation of `size` bytes past the layout's last event
+    /// ([`Steps::overran`]) that the heap serves only by growing. Past
+    /// [`GROWTH_PAST_HUNDREDTHS`] of the region grown beside it in all,
+    /// the layout is given up, and the region's memory serves what follows
+    /// (a new model built and trained after the last mark) instead of a
+    /// heap grown beside it; below, it stays (a log, a small checkpoint).
+    /// Steps that repeat lay out again.
+    pub(crate) fn grow_past(&mut self, size: u64) {
+        if !self.overran() {
+            return;
+        }
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        active.grown_past += size;
+        if active.grown_past * 100 > active.region.len * GROWTH_PAST_HUNDREDTHS {
+            self.give_up_if_idle();
+        }
+    }
+
     /// The regions given up since the last call: the pool frees them.
     pub(crate) fn take_retired(&mut self) -> Vec<R> {
         std::mem::take(&mut self.retired)
@@ -584,6 +622,7 @@ impl<R> Steps<R> {
                 memory,
             },
             since: self.counters.steps,
+            grown_past: 0,
         });
         self.counters.layouts += 1;
     }

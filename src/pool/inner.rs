@@ -47,6 +47,19 @@ struct Found {
     block: BlockId,
 }
 
+impl Found {
+    /// The allocation of `size` bytes this block in `arena` serves.
+    fn pending(&self, arena: ArenaId, size: u64) -> Pending {
+        Pending {
+            arena,
+            block: self.block,
+            ptr: self.addr,
+            size,
+            seq: 0,
+        }
+    }
+}
+
 /// Calls counted under the lock; the hot path's own counts live with the
 /// streams until they leave the pool's table.
 #[derive(Debug, Clone, Default)]
@@ -224,6 +237,36 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
+        let found = self.with_request(size, stream, |inner, request| {
+            match inner.serve_from_free(request)? {
+                Some(found) => Ok(found),
+                None => inner.grow_for(request),
+            }
+        });
+        self.calls.allocations += u64::from(found.is_ok());
+        found
+    }
+
+    /// [`Inner::allocate`] from the memory the pool holds free, without
+    /// growth: `None` where it would grow.
+    pub(super) fn allocate_without_growth(
+        &mut self,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Option<Pending>> {
+        let found = self.with_request(size, stream, Self::serve_from_free);
+        self.calls.allocations += u64::from(matches!(found, Ok(Some(_))));
+        found
+    }
+
+    /// Runs `serve` on a request for `size` bytes on `stream`, then gives
+    /// the heap back the blocks it held.
+    fn with_request<T>(
+        &mut self,
+        size: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        serve: impl FnOnce(&mut Self, &mut Request<'_, B>) -> Result<T>,
+    ) -> Result<T> {
         if self.slumber.is_some() {
             return Err(Error::Asleep);
         }
@@ -239,26 +282,19 @@ impl<B: Backend> Inner<B> {
             stream,
             held: Vec::new(),
         };
-        let found = self.serve(&mut request);
+        let found = serve(self, &mut request);
         for held in request.held {
             self.arenas[held.arena].heap.free(held.block);
         }
-        self.calls.allocations += u64::from(found.is_ok());
         found
     }
 
-    /// [`Inner::allocate`], leaving in `request.held` the blocks it took
-    /// from the heap but may not use.
-    fn serve(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
+    /// [`Inner::allocate`] without growth (`None`: nothing free fits),
+    /// leaving in `request.held` the blocks it took from the heap but may
+    /// not use.
+    fn serve_from_free(&mut self, request: &mut Request<'_, B>) -> Result<Option<Pending>> {
         let (size, stream) = (request.size, request.stream);
         let arena = ArenaId::for_size(size);
-        let block = |arena, found: Found| Pending {
-            arena,
-            block: found.block,
-            ptr: found.addr,
-            size,
-            seq: 0,
-        };
         // The stream's own frees, at any size: in its order they are free,
         // and back in the heap they join their free neighbours, so the
         // heap's choice is as good as without stream order. The latest
@@ -269,17 +305,17 @@ impl<B: Backend> Inner<B> {
             kept = self.merge_own_frees(s, KEEP_SMALL)?;
         }
         if let Some(found) = self.take_from_heap(arena, request)? {
-            return Ok(block(arena, found));
+            return Ok(Some(found.pending(arena, size)));
         }
         if let Some(s) = stream.filter(|_| kept) {
             self.merge_own_frees(s, 0)?;
             if let Some(found) = self.take_from_heap(arena, request)? {
-                return Ok(block(arena, found));
+                return Ok(Some(found.pending(arena, size)));
             }
         }
         if let Some(s) = stream {
             if let Some(p) = self.streams.reuse_pending(size, s)? {
-                return Ok(p);
+                return Ok(Some(p));
             }
             if self.streams.rules.allow_opportunistic {
                 // Events just recorded on idle streams complete at once:
@@ -287,10 +323,17 @@ impl<B: Backend> Inner<B> {
                 self.streams.record_pending(s.id)?;
                 self.collect_completed()?;
                 if let Some(found) = self.take_from_heap(arena, request)? {
-                    return Ok(block(arena, found));
+                    return Ok(Some(found.pending(arena, size)));
                 }
             }
         }
+        Ok(None)
+    }
+
+    /// Grows the pool for `request`, which nothing free serves.
+    fn grow_for(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
+        let (size, stream) = (request.size, request.stream);
+        let arena = ArenaId::for_size(size);
         loop {
             let started = std::time::Instant::now();
             let grown = self.growth().grow(arena, size, stream.map(|s| s.id));
@@ -314,7 +357,7 @@ impl<B: Backend> Inner<B> {
             // Growth may extend a guarded free range.
             let cleared = self.clear_guards(found.addr, size, stream);
             if let Ok(true) = cleared {
-                return Ok(block(arena, found));
+                return Ok(found.pending(arena, size));
             }
             request.held.push(Held {
                 arena,

@@ -231,7 +231,7 @@ impl<B: Backend> Pool<B> {
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Allocation> {
         let id = stream.map(|s| s.id);
-        let (placement, counted, given_up) = {
+        let (placement, counted, overran, given_up) = {
             let mut st = lock(&self.0.steps);
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
@@ -240,7 +240,8 @@ impl<B: Backend> Pool<B> {
             }
             let counted = matches!(placement, Placement::Planned(_))
                 && spend_planned_frees(&st.planned_frees, rounded);
-            (placement, counted, self.given_up(&mut st))
+            let overran = matches!(placement, Placement::Heap(Some(_))) && st.steps.overran();
+            (placement, counted, overran, self.given_up(&mut st))
         };
         self.free_given_up(given_up);
         match placement {
@@ -258,14 +259,58 @@ impl<B: Backend> Pool<B> {
                 Ok(self.hand_out(size, p, id.unwrap_or(0), Purpose::Program))
             }
             Placement::Heap(ordinal) => {
-                let allocation =
-                    self.allocate_from_heap(size, rounded, stream, Purpose::Program)?;
+                let allocation = if overran {
+                    self.allocate_past_layout(size, rounded, stream)?
+                } else {
+                    self.allocate_from_heap(size, rounded, stream, Purpose::Program)?
+                };
                 if let Some(o) = ordinal {
                     lock(&self.0.steps).steps.went_to_heap(o, allocation.ptr.0);
                 }
                 Ok(allocation)
             }
         }
+    }
+
+    /// An allocation of a step gone on past its layout's last event, the
+    /// region idle (a log, a checkpoint, or a new model built and trained
+    /// after the last mark): from the heap's free memory if it can; where
+    /// the heap must grow, the layout may be given up first
+    /// ([`Steps::grow_past`]), so that the heap takes the region's memory
+    /// instead of growing beside it.
+    fn allocate_past_layout(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
+        // Under the pool's lock, which also takes the stream's own frees:
+        // rare enough not to need the lock-free path.
+        let found = {
+            let mut inner = self.lock();
+            let found = inner.allocate_without_growth(rounded, stream)?;
+            if let Some(p) = &found {
+                inner.count_used(p.size, Purpose::Program);
+            }
+            found
+        };
+        if let Some(p) = found {
+            return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), Purpose::Program));
+        }
+        let given_up = {
+            let mut st = lock(&self.0.steps);
+            st.steps.grow_past(rounded);
+            self.given_up(&mut st)
+        };
+        if given_up.is_some() {
+            tracing::debug!(
+                pool = self.0.id,
+                size,
+                "step layout given up: the heap would grow past it"
+            );
+        }
+        self.free_given_up(given_up);
+        self.allocate_locked(size, rounded, stream, Purpose::Program)
     }
 
     /// A free once steps are marked; `stream`: the freeing stream (`None`:
