@@ -4,6 +4,7 @@ use vmm::{DeviceId, DevicePtr};
 
 use crate::arena::ArenaId;
 use crate::heap::BlockId;
+use crate::steps::StepTag;
 
 /// A live allocation. Not `Clone`: it is consumed by [`crate::Pool::free`],
 /// so a double free does not compile. Dropping one without a free leaks
@@ -22,6 +23,9 @@ pub struct Allocation {
     pub(crate) pool: u64,
     /// Its id in the pool's recorded trace (0 when not recording).
     pub(crate) trace_id: u64,
+    /// Made from the heap in a step the pool records (Note [Step
+    /// layouts]): which, and its ordinal there.
+    pub(crate) step: Option<StepTag>,
     pub(crate) device: DeviceId,
 }
 

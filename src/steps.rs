@@ -39,8 +39,6 @@ enum Event {
 struct Recording {
     events: Vec<Event>,
     sizes: Vec<u64>,
-    /// Heap allocations of this step by address, to find their frees.
-    from_heap: FxHashMap<u64, u32>,
     /// Allocations that wanted their slot and did not get it.
     missed: u64,
     /// Its events went another way than the layout's, which then went:
@@ -83,6 +81,14 @@ const GROWTH_PAST_HUNDREDTHS: u64 = 1;
 /// The most allocations a step records: a program that marks one step and
 /// never another must not record forever. Some 40 MB of recording at most.
 const MAX_ALLOCATIONS: usize = 1 << 21;
+
+/// What a heap allocation of a recorded step carries, so that its free
+/// is recorded in the step it was made in: the step and its ordinal there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StepTag {
+    step: u64,
+    ordinal: u32,
+}
 
 /// Where a slot lies in its region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,9 +184,9 @@ pub(crate) enum Freed<R> {
 pub(crate) enum Placement {
     /// At this address, in the layout's region.
     Planned(u64),
-    /// To the heap; if it has an ordinal, tell [`Steps::went_to_heap`] where
-    /// it went.
-    Heap(Option<u32>),
+    /// To the heap; an allocation of the step recorded carries its tag,
+    /// and gives it back to [`Steps::free`].
+    Heap(Option<StepTag>),
 }
 
 /// A layout made at a mark, waiting for its region.
@@ -286,8 +292,12 @@ impl<R> Steps<R> {
         let ordinal = self.current.sizes.len() as u32;
         self.current.sizes.push(size);
         self.record(Event::Alloc(ordinal));
+        let tag = Some(StepTag {
+            step: self.counters.steps,
+            ordinal,
+        });
         let Some(active) = &mut self.active else {
-            return Placement::Heap(Some(ordinal));
+            return Placement::Heap(tag);
         };
         let slot = active.slots.get(ordinal as usize).copied().flatten();
         match slot {
@@ -319,17 +329,12 @@ impl<R> Steps<R> {
             Some(_) => self.missed(),
             None => {}
         }
-        Placement::Heap(Some(ordinal))
+        Placement::Heap(tag)
     }
 
     fn missed(&mut self) {
         self.current.missed += 1;
         self.counters.missed += 1;
-    }
-
-    /// An allocation of an ordinal went to the heap, at `ptr`.
-    pub(crate) fn went_to_heap(&mut self, ordinal: u32, ptr: u64) {
-        self.current.from_heap.insert(ptr, ordinal);
     }
 
     /// Adds an event to the current step, noting where it leaves the
@@ -449,17 +454,16 @@ impl<R> Steps<R> {
             .is_some_and(|a| a.region.live.contains_key(&ptr))
     }
 
-    /// An allocation at `ptr` is freed: what the pool does with it.
-    pub(crate) fn free(&mut self, ptr: u64) -> Freed<R> {
-        // Most frees are of planned allocations: the maps, mostly empty,
-        // are looked in only when they hold something.
-        let from_heap = (!self.current.from_heap.is_empty())
-            .then(|| self.current.from_heap.remove(&ptr))
-            .flatten();
-        if let Some(ordinal) = from_heap {
-            self.record(Event::Free(ordinal));
+    /// An allocation at `ptr` is freed, with the tag it was given if it
+    /// went to the heap in a recorded step: what the pool does with it.
+    pub(crate) fn free(&mut self, ptr: u64, tag: Option<StepTag>) -> Freed<R> {
+        if let Some(tag) = tag {
+            if tag.step == self.counters.steps {
+                self.record(Event::Free(tag.ordinal));
+            }
             return Freed::Heap;
         }
+        // The map, mostly empty, is looked in only when it holds something.
         let converted = (!self.converted.is_empty())
             .then(|| self.converted.remove(&ptr))
             .flatten();

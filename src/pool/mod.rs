@@ -17,9 +17,8 @@
 //! with spare chunks, then with whole free units unmapped from elsewhere,
 //! and only then with new chunks. A unit moves only when no live byte is
 //! on it, so a pointer never moves. Stream-ordered frees wait with their
-//! stream, where the same stream reuses them without the pool's lock. See
-//! Note \[Placement\], Note [Growth and remapping] and Note [Stream-ordered
-//! frees] in docs/DESIGN.md.
+//! stream, where the same stream reuses them without the pool's lock.
+//! Notes \[Placement\], [Growth and remapping], [Stream-ordered frees]: docs/DESIGN.md.
 
 mod audit;
 mod batches;
@@ -507,6 +506,7 @@ impl<B: Backend> Pool<B> {
             block: p.block,
             pool: self.0.id,
             trace_id,
+            step: None,
             device: self.0.device,
         }
     }

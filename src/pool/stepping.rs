@@ -170,6 +170,7 @@ impl<B: Backend> Pool<B> {
                 block,
                 pool: self.0.id,
                 trace_id: 0,
+                step: None,
                 device: self.0.device,
             };
             let mut inner = self.lock();
@@ -258,16 +259,16 @@ impl<B: Backend> Pool<B> {
                 }
                 Ok(self.hand_out(size, p, id.unwrap_or(0), Purpose::Program))
             }
-            Placement::Heap(ordinal) => {
+            Placement::Heap(tag) => {
                 let allocation = if overran {
                     self.allocate_past_layout(size, rounded, stream)?
                 } else {
                     self.allocate_from_heap(size, rounded, stream, Purpose::Program)?
                 };
-                if let Some(o) = ordinal {
-                    lock(&self.0.steps).steps.went_to_heap(o, allocation.ptr.0);
-                }
-                Ok(allocation)
+                Ok(Allocation {
+                    step: tag,
+                    ..allocation
+                })
             }
         }
     }
@@ -373,7 +374,7 @@ impl<B: Backend> Pool<B> {
                 }
             }
         }
-        st.steps.free(ptr)
+        st.steps.free(ptr, allocation.step)
     }
 }
 
