@@ -213,6 +213,34 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
     assert _python(env, "-c", textwrap.dedent(script)).strip() == "ok"
 
 
+def test_an_older_library_gets_no_marks_and_a_warning(fake_torch):
+    # A build from before vmpool_mark_step_at_next_alloc, let in by
+    # VMPOOL_ALLOW_MISMATCH: install() works, without the optimizer hook.
+    script = """
+        import warnings
+        import torch.optim.optimizer as optimizer
+        import vmpool.torch
+
+        real = vmpool.torch.library()
+
+        class Older:
+            def __getattr__(self, name):
+                if name == "vmpool_mark_step_at_next_alloc":
+                    raise AttributeError(name)
+                return getattr(real, name)
+
+        vmpool.torch.library = Older
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vmpool.torch.install()
+        assert len(optimizer.hooks) == 0
+        assert [w.category for w in caught] == [RuntimeWarning], caught
+        assert "cannot mark steps" in str(caught[0].message)
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
 @pytest.mark.parametrize(
     ("setting", "hooks"), [("0", "0"), (" 1 ", "1"), ("yes", "VMPOOL_MARK_STEPS='yes': 1 (mark a step")]
 )
