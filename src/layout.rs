@@ -48,29 +48,47 @@ pub(crate) struct Layout {
 /// few buckets, not every allocation placed.
 const BUCKET: u32 = 128;
 
-/// Lays out `lifetimes`; every size must be a multiple of `align`, and so
-/// is every offset.
+/// Lays out `lifetimes` in at most `limit` bytes (`None`: no layout
+/// found fits); every size must be a multiple of `align`, and so is every
+/// offset.
 ///
 /// Three orders are tried and the smallest layout kept, since none wins
 /// on every recorded workload (docs/RESULTS.md, "Step layouts"): by size,
 /// allocations of one size the earliest first or the longest-lived first;
 /// and by breadth (Pisarchyk and Lee's other greedy order), the
 /// allocations alive at the step's busiest moments first, which fills the
-/// peak before anything can leave a gap in it.
-pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64) -> Layout {
+/// peak before anything can leave a gap in it. Each order gives up as soon
+/// as it passes the limit or the smallest layout so far: placement is
+/// quadratic in the worst case, and a layout refused for its size (steps
+/// whose shapes vary apart) then costs a fraction of a whole one.
+pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64, limit: u64) -> Option<Layout> {
     let breadth = breadths(lifetimes);
     let l = |i: usize| &lifetimes[i];
-    let earliest = lay_out_by(lifetimes, align, |i| (Reverse(l(i).size), l(i).start));
-    let longest = lay_out_by(lifetimes, align, |i| {
+    let best = smaller(None, lifetimes, align, limit, |i| {
+        (Reverse(l(i).size), l(i).start)
+    });
+    let best = smaller(best, lifetimes, align, limit, |i| {
         (Reverse(l(i).size), Reverse(l(i).end - l(i).start))
     });
-    let busiest = lay_out_by(lifetimes, align, |i| {
+    smaller(best, lifetimes, align, limit, |i| {
         (Reverse(breadth[i]), Reverse(l(i).size), l(i).start)
-    });
-    [earliest, longest, busiest]
-        .into_iter()
-        .min_by_key(|layout| layout.len)
-        .expect("three layouts")
+    })
+}
+
+/// The layout in the order of `key` if it is smaller than `best` (and
+/// within `limit`), else `best`; placement stops once it cannot be.
+fn smaller<K: Ord>(
+    best: Option<Layout>,
+    lifetimes: &[Lifetime],
+    align: u64,
+    limit: u64,
+    key: impl Fn(usize) -> K,
+) -> Option<Layout> {
+    let bound = best.as_ref().map_or(limit, |b| b.len);
+    match lay_out_by(lifetimes, align, bound, key) {
+        Some(layout) if best.as_ref().is_none_or(|b| layout.len < b.len) => Some(layout),
+        _ => best,
+    }
 }
 
 /// The bytes live at each event of `lifetimes`.
@@ -122,8 +140,14 @@ fn breadths(lifetimes: &[Lifetime]) -> Vec<u64> {
         .collect()
 }
 
-/// Lays out greedily in the order of `key` (of an allocation's index).
-fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) -> K) -> Layout {
+/// Lays out greedily in the order of `key` (of an allocation's index);
+/// `None` as soon as the layout passes `bound` bytes.
+fn lay_out_by<K: Ord>(
+    lifetimes: &[Lifetime],
+    align: u64,
+    bound: u64,
+    key: impl Fn(usize) -> K,
+) -> Option<Layout> {
     debug_assert!(lifetimes
         .iter()
         .all(|l| l.size % align == 0 && l.start < l.end));
@@ -156,13 +180,16 @@ fn lay_out_by<K: Ord>(lifetimes: &[Lifetime], align: u64, key: impl Fn(usize) ->
         }
         offsets[i] = best_gap(&met, l.size);
         len = len.max(offsets[i] + l.size);
+        if len > bound {
+            return None;
+        }
         for bucket in &mut placed[spanned] {
             let at = bucket.partition_point(|&j| offsets[j] <= offsets[i]);
             bucket.insert(at, i);
         }
     }
     debug_assert!(offsets.iter().all(|o| o % align == 0));
-    Layout { offsets, len }
+    Some(Layout { offsets, len })
 }
 
 /// The start of the smallest gap of at least `size` between the ranges
@@ -191,9 +218,16 @@ mod tests {
 
     #[test]
     fn allocations_that_never_meet_share_space() {
-        let layout = lay_out(&[life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)], 4);
+        let layout = lay_out(&[life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)], 4, u64::MAX).unwrap();
         assert_eq!(layout.offsets, vec![0, 8, 8]);
         assert_eq!(layout.len, 12);
+    }
+
+    #[test]
+    fn a_limit_refuses_only_what_passes_it() {
+        let lifetimes = [life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)];
+        assert_eq!(lay_out(&lifetimes, 4, 11), None);
+        assert_eq!(lay_out(&lifetimes, 4, 12).unwrap().len, 12);
     }
 
     #[test]
@@ -233,7 +267,10 @@ mod tests {
                 .iter()
                 .map(|&(size, start, span)| life(size * 8, start, start + span))
                 .collect();
-            let layout = lay_out(&lifetimes, 8);
+            let layout = lay_out(&lifetimes, 8, u64::MAX).unwrap();
+            // A limit changes nothing but whether it is found.
+            prop_assert_eq!(lay_out(&lifetimes, 8, layout.len), Some(layout.clone()));
+            prop_assert_eq!(lay_out(&lifetimes, 8, layout.len - 1), None);
             let mut peak_live = 0;
             for t in 0..700 {
                 let live: u64 = lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum();

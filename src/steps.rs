@@ -594,14 +594,11 @@ impl<R> Steps<R> {
     /// below, so that steps of shapes that vary apart cost no layout).
     fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> Option<(Vec<Option<Slot>>, u64)> {
         let (lifetimes, ordinals) = lifetimes(events, sizes, self.align);
-        let within = |len: u64| len * 100 <= self.largest_peak * SLACK_HUNDREDTHS;
-        if !within(peak(&lifetimes)) {
+        let limit = self.largest_peak * SLACK_HUNDREDTHS / 100;
+        if peak(&lifetimes) > limit {
             return None;
         }
-        let layout = lay_out(&lifetimes, self.align);
-        if !within(layout.len) {
-            return None;
-        }
+        let layout = lay_out(&lifetimes, self.align, limit)?;
         let mut slots = vec![None; sizes.len()];
         for ((o, offset), l) in ordinals.iter().zip(layout.offsets).zip(&lifetimes) {
             slots[*o as usize] = Some(Slot {
