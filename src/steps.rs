@@ -149,6 +149,14 @@ struct Active<R> {
     grown_past: u64,
 }
 
+impl<R> Active<R> {
+    /// Whether a step of `events` events so far has gone past this
+    /// layout's last with nothing planned live ([`Steps::overran`]).
+    fn overran_by(&self, events: usize) -> bool {
+        events > self.events.len() && self.region.live.is_empty()
+    }
+}
+
 /// A region to split around its live planned allocations.
 #[derive(Debug)]
 pub(crate) struct Split<R> {
@@ -417,9 +425,8 @@ impl<R> Steps<R> {
     /// nothing planned live: the layout has served the step, and the
     /// region is idle while what follows comes from the heap.
     pub(crate) fn overran(&self) -> bool {
-        self.active
-            .as_ref()
-            .is_some_and(|a| self.current.events.len() > a.events.len() && a.region.live.is_empty())
+        let events = self.current.events.len();
+        self.active.as_ref().is_some_and(|a| a.overran_by(events))
     }
 
     /// An allocation of `size` bytes past the layout's last event
@@ -430,10 +437,8 @@ impl<R> Steps<R> {
     /// heap grown beside it; below, it stays (a log, a small checkpoint).
     /// Steps that repeat lay out again.
     pub(crate) fn grow_past(&mut self, size: u64) {
-        if !self.overran() {
-            return;
-        }
-        let Some(active) = self.active.as_mut() else {
+        let events = self.current.events.len();
+        let Some(active) = self.active.as_mut().filter(|a| a.overran_by(events)) else {
             return;
         };
         active.grown_past += size;

@@ -1,6 +1,7 @@
-//! `vmpool_mark_step` (and its `_at_next_alloc` form) as a C caller calls it, on the host backend, in a
-//! process of its own: marking steps changes how the device's pool serves
-//! every later allocation, which the other C tests share.
+//! `vmpool_mark_step` (and its `_at_next_alloc` form) as a C caller calls
+//! it, on the host backend, in a process of its own: marking steps changes
+//! how the device's pool serves every later allocation, which the other C
+//! tests share.
 
 use std::ffi::c_void;
 
