@@ -61,8 +61,8 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
 }
 
 /// Growth chunks scale with the pool by default (2 MiB granules while it is
-/// small), `--chunk-divisor off` grows by whole 32 MiB chunks, and a
-/// divisor of 0 is refused.
+/// small), `--chunk-divisor off` grows by whole 32 MiB chunks, a divisor of
+/// 0 is refused, and `--va-size` sets the reservation.
 #[test]
 fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
     let path = std::env::temp_dir().join(format!("vmpool-divisor-{}.trace", std::process::id()));
@@ -100,6 +100,15 @@ fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
         chunks(&["--chunk-divisor", "4", "--granule-growth-below", "1G"]),
         20
     );
+    // The reservation as asked: 40 MB does not fit in 32 MiB of it.
+    let small = run(&["--va-size", "32MiB"]);
+    assert!(!small.status.success());
+    assert!(
+        String::from_utf8_lossy(&small.stderr).contains("address space"),
+        "{}",
+        String::from_utf8_lossy(&small.stderr)
+    );
+    assert_eq!(chunks(&["--va-size", "1G"]), 20);
     let zero = run(&["--chunk-divisor", "0"]);
     assert!(!zero.status.success());
     assert!(

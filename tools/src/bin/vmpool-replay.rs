@@ -109,6 +109,12 @@ struct Args {
     /// unit or in bytes: 2G, 512MiB, 0.
     #[arg(long, value_name = "BYTES", default_value_t = Bytes(vmpool::DEFAULT_GRANULE_GROWTH_BELOW))]
     granule_growth_below: Bytes,
+    /// vmpool only: the address space the pool reserves
+    /// (`PoolProps::va_size`), with a unit or in bytes: 512G, 2T (default:
+    /// four times the device's memory; on the host backend the device
+    /// holds four times the trace's peak).
+    #[arg(long, value_name = "BYTES")]
+    va_size: Option<Bytes>,
     /// vmpool only: replay through `allocate_async` / `free_async` on one
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
@@ -498,6 +504,7 @@ fn replay_main(args: &Args) -> Result<()> {
         chunk_size: args.chunk_size.map(|b| b.0),
         chunk_divisor: args.chunk_divisor.0,
         granule_growth_below: args.granule_growth_below.0,
+        va_size: args.va_size.map(|b| b.0),
         defragment: args.defragment.into(),
         ..PoolProps::new(DeviceId(0))
     };
