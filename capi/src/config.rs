@@ -86,6 +86,9 @@ pub struct Config {
     /// (`PoolProps::granule_growth_below`); default
     /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`].
     pub granule_growth_below: u64,
+    /// `VMPOOL_VA_SIZE`: the address space each device's pool reserves
+    /// (`PoolProps::va_size`); default four times the device's memory.
+    pub va_size: Option<u64>,
     /// `VMPOOL_HANDLE_TYPE`: `posix_fd` to create every pool's chunks
     /// exportable, so that NCCL can register the memory (Note [NCCL
     /// registration] in docs/DESIGN.md); default `none`.
@@ -147,6 +150,19 @@ impl Config {
                 expected: "a whole number, at least 1, or off",
             })?,
         };
+        let va_size = match lookup("VMPOOL_VA_SIZE") {
+            None => None,
+            Some(v) => match parse_bytes("VMPOOL_VA_SIZE", &v)? {
+                0 => {
+                    return Err(ConfigError::Other {
+                        name: "VMPOOL_VA_SIZE",
+                        value: v,
+                        expected: "bytes, more than 0, such as 2T",
+                    })
+                }
+                bytes => Some(bytes),
+            },
+        };
         let handle_type = match lookup("VMPOOL_HANDLE_TYPE") {
             None => vmpool::HandleType::None,
             Some(v) => vmpool::parse_handle_type(&v).map_err(|_| ConfigError::Other {
@@ -173,6 +189,7 @@ impl Config {
                 "VMPOOL_GRANULE_GROWTH_BELOW",
                 vmpool::DEFAULT_GRANULE_GROWTH_BELOW,
             )?,
+            va_size,
             handle_type,
             host_devices,
             host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
@@ -255,6 +272,17 @@ mod tests {
         ] {
             let err = config(&[("VMPOOL_CHUNK_SIZE", bad)]).unwrap_err();
             assert!(err.to_string().contains("VMPOOL_CHUNK_SIZE"), "{err}");
+        }
+    }
+
+    #[test]
+    fn va_size() {
+        assert_eq!(config(&[]).unwrap().va_size, None);
+        let c = config(&[("VMPOOL_VA_SIZE", "2T")]).unwrap();
+        assert_eq!(c.va_size, Some(2 << 40));
+        for bad in ["0", "", "-1", "lots"] {
+            let err = config(&[("VMPOOL_VA_SIZE", bad)]).unwrap_err();
+            assert!(err.to_string().contains("VMPOOL_VA_SIZE"), "{err}");
         }
     }
 

@@ -138,8 +138,9 @@ pub struct Figures {
     pub steps: vmpool::StepCounters,
 }
 
-/// The properties of `device`'s pools, the device's own and its graph
-/// pools, as configured.
+/// The properties of `device`'s pools, the device's own and its graph and
+/// memory pools, as configured; the device's own also reserves the
+/// configured address space ([`Shim::new_pool`]).
 fn pool_props(config: &Config, device: DeviceId) -> PoolProps {
     PoolProps {
         chunk_size: config.chunk_size,
@@ -209,9 +210,13 @@ impl<B: Backend> Shim<B> {
         Ok(device.pool.get_or_init(|| pool))
     }
 
-    /// A pool of `device` with the configured chunk size and threshold.
+    /// The pool of `device`: the configured chunk sizes, threshold and
+    /// address space.
     fn new_pool(&self, device: DeviceId) -> vmpool::Result<Pool<B>> {
-        let props = pool_props(&self.config, device);
+        let props = PoolProps {
+            va_size: self.config.va_size,
+            ..pool_props(&self.config, device)
+        };
         let pool = self.context.create_pool(&props)?;
         pool.set_attribute(
             PoolAttribute::ReleaseThreshold,

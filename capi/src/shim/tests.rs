@@ -333,3 +333,29 @@ fn the_handle_type_setting_makes_pools_shareable() {
         shim.free(ptr, 4 << 20, 0, 1).unwrap();
     }
 }
+
+#[test]
+fn the_devices_pool_reserves_the_address_space_asked_for() {
+    let default = Shim::new(
+        vmpool::vmm::host::Host::new(Default::default()).unwrap(),
+        config(&[]).unwrap(),
+        odd_handles_only,
+    )
+    .unwrap();
+    let ptr = default.alloc(4096, 0, 1).unwrap();
+    let memory = vmpool::vmm::host::HostConfig::default().memory_per_device as u64;
+    assert_eq!(
+        default.pool_snapshot(0).unwrap().unwrap().va_size,
+        4 * memory
+    );
+    default.free(ptr, 4096, 0, 1).unwrap();
+
+    let host = vmpool::vmm::host::Host::new(Default::default()).unwrap();
+    let vars = [("VMPOOL_VA_SIZE", "64MiB")];
+    let shim = Shim::new(host, config(&vars).unwrap(), odd_handles_only).unwrap();
+    let ptr = shim.alloc(32 << 20, 0, 1).unwrap();
+    assert_eq!(shim.pool_snapshot(0).unwrap().unwrap().va_size, 64 << 20);
+    let err = shim.alloc(128 << 20, 0, 1).unwrap_err();
+    assert!(err.to_string().contains("address space"), "{err}");
+    shim.free(ptr, 32 << 20, 0, 1).unwrap();
+}
