@@ -28,6 +28,20 @@ fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
     .unwrap()
 }
 
+/// A context, a pool ([`pool`]) and a stream: each test's start.
+fn start<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    (ctx, pool, s)
+}
+
+/// Each test's end: the stream's work done, the pool's tables consistent.
+fn finish<B: TestBackend>(ctx: &Context<B>, pool: &Pool<B>, s: &Stream<B>) {
+    ctx.synchronize_stream(s).unwrap();
+    pool.audit().unwrap();
+}
+
 /// Fills the first and last word of `a` with `word`: enough to catch two
 /// live allocations that overlap, quick on every backend.
 fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
@@ -117,9 +131,7 @@ fn step_holding<B: TestBackend>(
 }
 
 pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     step(b.as_ref(), &pool, &s, 1);
     pool.mark_step().unwrap();
@@ -136,8 +148,7 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(after.missed, 0);
     assert_eq!(after.planned, 5 * 40);
     assert_eq!(after.layouts, 1);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
@@ -167,9 +178,7 @@ pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
 }
 
 pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     for k in [1, 2, 1, 3, 2, 1] {
         step(b.as_ref(), &pool, &s, k);
@@ -186,8 +195,7 @@ pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>)
         "steps no larger than seen mapped chunks"
     );
     assert_eq!(pool.step_counters().layouts, layouts);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 /// A transformer-like step whose tensors scale with a batch and a
@@ -215,17 +223,14 @@ fn budget_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, batch: u64, seq: u
 /// The peak reserved bytes of `shapes` run as [`budget_step`]s, each
 /// followed by a mark if `marked`, and the peak used bytes.
 fn budget_run<B: TestBackend>(b: &Arc<B>, shapes: &[(u64, u64)], marked: bool) -> (u64, u64) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     for &(batch, seq) in shapes {
         budget_step(&pool, &s, batch, seq);
         if marked {
             pool.mark_step().unwrap();
         }
     }
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
     (
         pool.attribute(PoolAttribute::ReservedMemHigh),
         pool.attribute(PoolAttribute::UsedMemHigh),
@@ -381,9 +386,7 @@ fn kind_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, kind: u64) {
 }
 
 pub fn layouts_that_do_not_last_wait_for_longer_runs<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     // Kinds two steps each: the first pair is laid out and left at the
     // next step; later pairs wait for a third step alike, which never
@@ -405,14 +408,11 @@ pub fn layouts_that_do_not_last_wait_for_longer_runs<B: TestBackend>(b: &Arc<B>)
     kind_step(&pool, &s, 7);
     kind_step(&pool, &s, 7);
     assert_eq!(pool.step_counters().layouts, 3);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     let other = ctx.create_stream(DEV).unwrap();
     pool.mark_step().unwrap();
     let mut kept: Vec<(Allocation, u32)> = Vec::new();
@@ -441,9 +441,7 @@ pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
 }
 
 pub fn steps_that_never_repeat_give_their_region_back<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     for n in 1..8u64 {
         // A different number of allocations each step.
@@ -458,14 +456,11 @@ pub fn steps_that_never_repeat_give_their_region_back<B: TestBackend>(b: &Arc<B>
     let counters = pool.step_counters();
     assert_eq!(counters.layouts, 0);
     assert_eq!(counters.region_bytes, 0);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     marked_steps(b.as_ref(), &pool, &s, 2, 3);
     let region = pool.step_counters().region_bytes;
@@ -489,14 +484,11 @@ pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Ar
     // The training steps again: laid out once more after two of them.
     marked_steps(b.as_ref(), &pool, &s, 2, 3);
     assert_eq!(pool.step_counters().layouts, 2);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_trim_gives_an_idle_layout_back<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     let lay_out = || {
         marked_steps(b.as_ref(), &pool, &s, 2, 3);
         assert!(pool.step_counters().region_bytes > 0);
@@ -518,8 +510,7 @@ pub fn a_trim_gives_an_idle_layout_back<B: TestBackend>(b: &Arc<B>) {
     pool.trim_to(0).unwrap();
     assert!(pool.step_counters().region_bytes > 0);
     pool.free_async(a, &s).unwrap();
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
@@ -545,9 +536,7 @@ pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
 }
 
 pub fn a_step_that_does_more_at_its_end_keeps_its_layout<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     marked_steps(b.as_ref(), &pool, &s, 1, 3);
     // Every few steps, a little more after the step's own work (a log):
@@ -564,14 +553,11 @@ pub fn a_step_that_does_more_at_its_end_keeps_its_layout<B: TestBackend>(b: &Arc
     let counters = pool.step_counters();
     assert_eq!(counters.layouts, 1);
     assert_eq!(counters.planned, 7 * 40, "the third step on, all planned");
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_step_that_goes_on_past_its_layout_gives_it_up_before_growing<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     marked_steps(b.as_ref(), &pool, &s, 1, 3);
     assert!(pool.step_counters().region_bytes > 0);
@@ -590,14 +576,11 @@ pub fn a_step_that_goes_on_past_its_layout_gives_it_up_before_growing<B: TestBac
     pool.mark_step().unwrap();
     marked_steps(b.as_ref(), &pool, &s, 1, 3);
     assert_eq!(pool.step_counters().layouts, 2, "laid out again");
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
     marked_steps(b.as_ref(), &pool, &s, 2, 3);
     let region = pool.step_counters().region_bytes;
@@ -625,8 +608,7 @@ pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBacken
     }
     pool.free_async(other, &s).unwrap();
     pool.free_async(large, &s).unwrap();
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
@@ -646,9 +628,7 @@ pub fn a_pool_dropped_with_an_idle_layout_gives_its_memory_back<B: TestBackend>(
 }
 
 pub fn marking_a_sleeping_pool_is_refused<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = pool(&ctx);
-    let s = ctx.create_stream(DEV).unwrap();
+    let (_ctx, pool, s) = start(b);
     pool.sleep(SleepLevel::DiscardAll, &s).unwrap();
     assert!(matches!(pool.mark_step(), Err(Error::Asleep)));
     pool.wake(&s).unwrap();
@@ -709,8 +689,7 @@ pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
     three_step(&pool, &s);
     pool.mark_step().unwrap();
     assert_eq!(pool.step_counters().planned, 3);
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
+    finish(&ctx, &pool, &s);
 }
 
 suites!(
