@@ -153,17 +153,14 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
 
 pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
     let run = |marked: bool| {
-        let ctx = Context::new(Arc::clone(b)).unwrap();
-        let pool = pool(&ctx);
-        let s = ctx.create_stream(DEV).unwrap();
+        let (ctx, pool, s) = start(b);
         for _ in 0..6 {
             step(b.as_ref(), &pool, &s, 2);
             if marked {
                 pool.mark_step().unwrap();
             }
         }
-        ctx.synchronize_stream(&s).unwrap();
-        pool.audit().unwrap();
+        finish(&ctx, &pool, &s);
         let region = pool.step_counters().region_bytes;
         assert_eq!(region > 0, marked);
         // Between steps the region is idle: nothing of it is used.
@@ -349,9 +346,7 @@ fn optimizer_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>, mark: MarkAt) {
 
 pub fn a_mark_at_the_next_allocation_takes_in_the_last_frees<B: TestBackend>(b: &Arc<B>) {
     let planned = |mark: MarkAt| {
-        let ctx = Context::new(Arc::clone(b)).unwrap();
-        let pool = pool(&ctx);
-        let s = ctx.create_stream(DEV).unwrap();
+        let (ctx, pool, s) = start(b);
         for _ in 0..4 {
             optimizer_step(&pool, &s, mark);
         }
@@ -362,8 +357,7 @@ pub fn a_mark_at_the_next_allocation_takes_in_the_last_frees<B: TestBackend>(b: 
         let after = pool.step_counters();
         assert_eq!(pool.stats().maps, maps, "a repeated step mapped chunks");
         assert_eq!(after.missed, before.missed);
-        ctx.synchronize_stream(&s).unwrap();
-        pool.audit().unwrap();
+        finish(&ctx, &pool, &s);
         after.planned - before.planned
     };
     // Marked before the gradients go, they live across the mark and stay
