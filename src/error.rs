@@ -44,6 +44,26 @@ pub enum Error {
         /// Why the size cannot be served.
         reason: &'static str,
     },
+    /// No free range of the pool's address space is wide enough for the
+    /// request, though the space is larger than it: live allocations and
+    /// the memory between them leave no room that wide. A pool reserves
+    /// its address space once; reserve more ([`crate::PoolProps::va_size`],
+    /// `VMPOOL_VA_SIZE` in the C layer) for a program whose allocations
+    /// spread over more of it.
+    #[error(
+        "out of address space: no free range of {requested} bytes in the {arena_size} bytes the \
+         pool reserves for allocations of this size ({reserved} bytes of memory held); reserve \
+         more address space (PoolProps::va_size, VMPOOL_VA_SIZE)"
+    )]
+    OutOfAddressSpace {
+        /// Bytes asked for.
+        requested: u64,
+        /// The part of the address space that serves this size (small
+        /// allocations have an eighth of it, larger ones the rest).
+        arena_size: u64,
+        /// Physical bytes the pool held.
+        reserved: u64,
+    },
     /// The allocation belongs to another pool.
     #[error("the allocation at {ptr:#x} belongs to another pool")]
     WrongPool {

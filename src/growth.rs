@@ -317,9 +317,10 @@ impl<B: Backend> Growth<'_, B> {
             }
             (Some(range), _) => Ok(Growing::Range(range)),
             (None, Some(bridge)) => Ok(Growing::Bridge(bridge)),
-            (None, None) => Err(Error::InvalidSize {
+            (None, None) => Err(Error::OutOfAddressSpace {
                 requested: size,
-                reason: "no room left in the pool's address space",
+                arena_size: end - start,
+                reserved: self.space.reserved(),
             }),
         }
     }

@@ -412,6 +412,49 @@ pub fn live_memory_outlives_its_pool<B: TestBackend>(b: &Arc<B>) {
     check(&**b, &s, &survivor, 0x5A5A);
 }
 
+/// A request the address space could hold, but not beside what is live
+/// in it: a typed error that names the way out, nothing changed, and the
+/// same request served once the space is free.
+pub fn address_space_runs_out<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    // 64 MiB: an eighth for small allocations, 56 MiB for large ones.
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(64 * MIB),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let live = pool.allocate(24 * MIB).unwrap();
+    let freed = pool.allocate(24 * MIB).unwrap();
+    pool.free(freed).unwrap();
+    // 32 MiB of the large part free, wherever the two went: 34 MiB does
+    // not fit, though it is less than the space.
+    let before = pool.stats();
+    match pool.allocate(34 * MIB) {
+        Err(
+            e @ Error::OutOfAddressSpace {
+                requested,
+                arena_size,
+                ..
+            },
+        ) => {
+            assert_eq!((requested, arena_size), (34 * MIB, 56 * MIB));
+            assert!(e.to_string().contains("VMPOOL_VA_SIZE"), "{e}");
+        }
+        r => panic!("expected out of address space, got {r:?}"),
+    }
+    // Only the time spent looking for room is counted.
+    let mut after = pool.stats();
+    assert!(after.grow_nanos >= before.grow_nanos);
+    after.grow_nanos = before.grow_nanos;
+    assert_eq!(after, before, "a refused allocation changed the pool");
+    pool.audit().unwrap();
+    pool.free(live).unwrap();
+    let whole = pool.allocate(34 * MIB).unwrap();
+    pool.free(whole).unwrap();
+    pool.audit().unwrap();
+}
+
 pub fn pool_limit<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
@@ -505,6 +548,7 @@ suites!(
     many_threads,
     live_memory_outlives_its_pool,
     pool_limit,
+    address_space_runs_out,
 );
 
 // ---- host only: a small device, filled up, and injected faults ---------------

@@ -343,13 +343,16 @@ impl<B: Backend> Inner<B> {
                     let (addr, block) = self.arenas[arena].heap.alloc_from(free, size);
                     (arena, Found { addr, block })
                 }
-                // The device is full, but the other arena may have room:
-                // better there than out of memory.
-                Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory => {
+                // The device is full, or this arena's address space, but
+                // the other arena may have room: better there than failing.
+                Err(e)
+                    if matches!(&e, Error::Driver(d) if d.kind() == ErrorKind::OutOfMemory)
+                        || matches!(e, Error::OutOfAddressSpace { .. }) =>
+                {
                     let other = arena.other();
                     match self.take_from_heap(other, request)? {
                         Some(found) => (other, found),
-                        None => return Err(Error::Driver(e)),
+                        None => return Err(e),
                     }
                 }
                 Err(e) => return Err(e),

@@ -109,7 +109,7 @@ impl<B: Backend> Pool<B> {
                     // program goes on as it would unmarked.
                     Error::OutOfMemory { .. }
                     | Error::PoolLimit { .. }
-                    | Error::InvalidSize { .. } => {
+                    | Error::OutOfAddressSpace { .. } => {
                         tracing::info!(pool = self.0.id, len, error = %e, "step layout given up: no region");
                         Ok(())
                     }
