@@ -24,13 +24,14 @@ mod audit;
 mod batches;
 mod inner;
 mod recording;
+mod settings;
 mod sleep;
 mod stepping;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use vmm::{Access, AccessDesc, Backend, DeviceId, DevicePtr, ErrorKind};
+use vmm::{Backend, DeviceId, DevicePtr, ErrorKind};
 
 use crate::allocation::Allocation;
 use crate::arena::{Arena, Arenas, ChunkPolicy};
@@ -40,7 +41,7 @@ use crate::heap::{Heap, QUANTUM};
 use crate::ordering::{Pending, Stream, StreamPos, StreamShared, Streams};
 use crate::props::{HandleType, PoolProps, DEFAULT_CHUNK_SIZE};
 use crate::space::{Space, SpaceProps};
-use crate::stats::{PoolAttribute, PoolSnapshot, PoolStats};
+use crate::stats::{PoolSnapshot, PoolStats};
 use crate::sync::lock;
 use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
@@ -422,11 +423,7 @@ impl<B: Backend> Pool<B> {
         loop {
             let mut inner = self.lock();
             match inner.allocate(rounded, stream) {
-                Ok(p) => {
-                    inner.count_used(p.size, purpose);
-                    drop(inner);
-                    return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), purpose));
-                }
+                Ok(p) => return Ok(self.hand_out_locked(inner, size, p, stream, purpose)),
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.
                     inner.wait_for_pending_frees();
@@ -486,6 +483,21 @@ impl<B: Backend> Pool<B> {
             .free(allocation.arena, allocation.block, allocation.block_size);
     }
 
+    /// Hands out `p`, taken under `inner`, the pool's lock: its bytes are
+    /// counted used there, and the lock let go before the rest.
+    fn hand_out_locked(
+        &self,
+        mut inner: MutexGuard<'_, Inner<B>>,
+        size: u64,
+        p: Pending,
+        stream: Option<&Arc<StreamShared<B>>>,
+        purpose: Purpose,
+    ) -> Allocation {
+        inner.count_used(p.size, purpose);
+        drop(inner);
+        self.hand_out(size, p, stream.map_or(0, |s| s.id), purpose)
+    }
+
     #[inline(always)]
     fn hand_out(&self, size: u64, p: Pending, stream: u64, purpose: Purpose) -> Allocation {
         tracing::trace!(
@@ -515,14 +527,6 @@ impl<B: Backend> Pool<B> {
     /// (its work has run that far), then trims to the release threshold.
     pub(crate) fn stream_passed(&self, stream: u64, upto: u64) -> Result<()> {
         self.lock().stream_passed(StreamPos { stream, seq: upto })
-    }
-
-    /// Changes the most physical bytes the pool may hold
-    /// ([`PoolProps::max_size`]; `None`: no limit but the device's memory).
-    /// Growth past it fails with [`Error::PoolLimit`]; memory held above it
-    /// now stays until it is freed and trimmed.
-    pub fn set_max_size(&self, max_size: Option<u64>) {
-        self.lock().space.set_max_size(max_size.unwrap_or(u64::MAX));
     }
 
     /// Releases unused physical memory until the pool holds at most
@@ -559,98 +563,6 @@ impl<B: Backend> Pool<B> {
                 tracing::warn!(%err, "releasing unused memory failed");
             }
         }
-    }
-
-    /// Lets `device` access the pool's memory as `access`
-    /// (`cudaMemPoolSetAccess`): everything mapped now, and everything
-    /// mapped later, growth and remapped chunks included. The pool's own
-    /// device always has read-write access; asking for less is an error.
-    /// On failure the pool's memory and access list are as before.
-    ///
-    /// Taking access away is not stream-ordered: work queued on `device`
-    /// that still touches the pool must have finished.
-    pub fn set_access(&self, device: DeviceId, access: Access) -> Result<()> {
-        if device.0 >= self.backend().device_count()? {
-            return Err(Error::InvalidDevice(device));
-        }
-        if device == self.device() {
-            return match access {
-                Access::ReadWrite => Ok(()),
-                _ => Err(Error::InvalidAccess {
-                    device,
-                    reason: "the pool's own device always has read-write access",
-                }),
-            };
-        }
-        self.lock().space.set_access(AccessDesc { device, access })
-    }
-
-    /// What `device` may do with the pool's memory
-    /// (`cudaMemPoolGetAccess`).
-    pub fn access(&self, device: DeviceId) -> Result<Access> {
-        if device.0 >= self.backend().device_count()? {
-            return Err(Error::InvalidDevice(device));
-        }
-        Ok(self.lock().space.access(device))
-    }
-
-    /// An attribute's current value (`cudaMemPoolGetAttribute`): switches
-    /// are 0 or 1, the others are bytes.
-    pub fn attribute(&self, attribute: PoolAttribute) -> u64 {
-        let inner = self.lock();
-        let rules = inner.streams.rules;
-        match attribute {
-            PoolAttribute::ReleaseThreshold => inner.release_threshold,
-            PoolAttribute::ReuseFollowEventDependencies => rules.follow_event_dependencies as u64,
-            PoolAttribute::ReuseAllowOpportunistic => rules.allow_opportunistic as u64,
-            PoolAttribute::ReuseAllowInternalDependencies => {
-                rules.allow_internal_dependencies as u64
-            }
-            PoolAttribute::ReservedMemCurrent => inner.space.reserved(),
-            PoolAttribute::ReservedMemHigh => inner.space.reserved_high(),
-            PoolAttribute::UsedMemCurrent => inner.used_bytes(),
-            PoolAttribute::UsedMemHigh => inner.usage.used_high,
-        }
-    }
-
-    /// Sets an attribute (`cudaMemPoolSetAttribute`): the release threshold,
-    /// a reuse switch (0 or 1), or a high-water mark (only to 0, which resets
-    /// it to the current value). Others are [`Error::InvalidAttribute`].
-    pub fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
-        let invalid = |reason| Error::InvalidAttribute {
-            attribute,
-            value,
-            reason,
-        };
-        let flag = |value| match value {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(invalid("a switch takes 0 or 1")),
-        };
-        let mut inner = self.lock();
-        let rules = &mut inner.streams.rules;
-        match attribute {
-            PoolAttribute::ReleaseThreshold => inner.release_threshold = value,
-            PoolAttribute::ReuseFollowEventDependencies => {
-                rules.follow_event_dependencies = flag(value)?
-            }
-            PoolAttribute::ReuseAllowOpportunistic => rules.allow_opportunistic = flag(value)?,
-            PoolAttribute::ReuseAllowInternalDependencies => {
-                rules.allow_internal_dependencies = flag(value)?
-            }
-            PoolAttribute::ReservedMemHigh | PoolAttribute::UsedMemHigh if value != 0 => {
-                return Err(invalid("a high-water mark can only be reset, with 0"))
-            }
-            PoolAttribute::ReservedMemHigh => inner.space.reset_reserved_high(),
-            PoolAttribute::UsedMemHigh => {
-                inner.settle();
-                inner.usage.used_high = inner.used_bytes();
-            }
-            PoolAttribute::ReservedMemCurrent | PoolAttribute::UsedMemCurrent => {
-                return Err(invalid("read-only"))
-            }
-        }
-        Ok(())
     }
 
     /// The pool's statistics now.

@@ -287,17 +287,11 @@ impl<B: Backend> Pool<B> {
     ) -> Result<Allocation> {
         // Under the pool's lock, which also takes the stream's own frees:
         // rare enough not to need the lock-free path.
-        let found = {
-            let mut inner = self.lock();
-            let found = inner.allocate_without_growth(rounded, stream)?;
-            if let Some(p) = &found {
-                inner.count_used(p.size, Purpose::Program);
-            }
-            found
-        };
-        if let Some(p) = found {
-            return Ok(self.hand_out(size, p, stream.map_or(0, |s| s.id), Purpose::Program));
+        let mut inner = self.lock();
+        if let Some(p) = inner.allocate_without_growth(rounded, stream)? {
+            return Ok(self.hand_out_locked(inner, size, p, stream, Purpose::Program));
         }
+        drop(inner);
         let given_up = {
             let mut st = lock(&self.0.steps);
             st.steps.grow_past(rounded);
