@@ -18,10 +18,14 @@ fn library() -> PathBuf {
 
 /// `scripts/vmpool_torch.py`, and the package it imports.
 const HELPER: &str = include_str!("../../scripts/vmpool_torch.py");
-const PACKAGE: [(&str, &str); 5] = [
+const PACKAGE: [(&str, &str); 6] = [
     (
         "__init__.py",
         include_str!("../../python/vmpool/__init__.py"),
+    ),
+    (
+        "_iterations.py",
+        include_str!("../../python/vmpool/_iterations.py"),
     ),
     ("_lib.py", include_str!("../../python/vmpool/_lib.py")),
     (

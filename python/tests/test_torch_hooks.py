@@ -60,10 +60,10 @@ FAKE_TORCH = {
         def register_optimizer_step_post_hook(hook):
             hooks.append(hook)
 
-        def step():
+        def step(optimizer=None):
             # What Optimizer.step() does after its update.
             for hook in hooks:
-                hook(None, (), {})
+                hook(optimizer, (), {})
     """,
     "torch/cuda/_utils.py": """
         def _get_device_index(device, optional=False):
@@ -211,6 +211,38 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
     """
     env = dict(fake_torch, VMPOOL_HOST_DEVICES="2")
     assert _python(env, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
+def test_two_optimizers_mark_one_step_an_iteration(fake_torch):
+    # A GAN's loop: the discriminator's half, then the generator's, each
+    # with its own optimizer. Marked at both optimizers' steps, the pool's
+    # steps would alternate between the halves and never repeat the one
+    # before; marked once an iteration, they are laid out.
+    script = """
+        import torch.optim.optimizer as optimizer
+        import vmpool, vmpool.torch
+
+        vmpool.torch.install()
+        discriminator, generator = object(), object()
+        weights = vmpool.alloc(8 << 20)
+        for iteration in range(12):
+            kept, scratch = vmpool.alloc(1 << 20), vmpool.alloc(3 << 20)
+            vmpool.free(scratch)
+            optimizer.step(discriminator)
+            vmpool.free(kept)
+            kept, scratch = vmpool.alloc(5 << 20), vmpool.alloc(2 << 20)
+            vmpool.free(scratch)
+            optimizer.step(generator)
+            vmpool.free(kept)
+        stats = vmpool.torch.stats()
+        # Both steps marked until the order repeats (four), then one an
+        # iteration; the last mark waits for an allocation.
+        assert stats.steps == 4 + (24 - 4) // 2 - 1, stats.steps
+        assert stats.step_layouts == 1 and stats.planned > 0 and stats.missed == 0, stats
+        vmpool.free(weights)
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
 
 
 def test_an_older_library_gets_no_marks_and_a_warning(fake_torch):

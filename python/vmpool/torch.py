@@ -33,6 +33,7 @@ import warnings
 from typing import Any, Union
 
 from . import _lib, nccl
+from ._iterations import Iterations
 from ._lib import LibraryMismatchError, Stats, VmpoolError, library, library_path
 
 __all__ = [
@@ -113,13 +114,15 @@ def install(mark_steps: bool | None = None) -> Any:
     `CUDAPluggableAllocator` (`allocator()`). Call it before anything
     allocates CUDA memory (PyTorch refuses the change afterwards).
 
-    With `mark_steps` (by default, unless `VMPOOL_MARK_STEPS=0`), every
+    With `mark_steps` (by default, unless `VMPOOL_MARK_STEPS=0`), a
     `torch.optim` optimizer's `step()` ends a step of every device's pool
     at its next allocation, after the gradients are freed, so that a
     training loop whose steps repeat is laid out and stops calling the
     driver without a change to the program (Note [Step layouts] in
-    docs/DESIGN.md). A loop with no optimizer (a server, a generation loop)
-    calls `mark_step()` itself.
+    docs/DESIGN.md). With several optimizers (a GAN's two), only the last
+    step of each iteration does, once their order has repeated twice. A
+    loop with no optimizer (a server, a generation loop) calls
+    `mark_step()` itself.
 
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
     graphs (`torch.cuda.graph`): without the hooks PyTorch drops those
@@ -163,9 +166,11 @@ _marking_optimizer_steps = False
 
 
 def _mark_optimizer_steps(torch: Any) -> None:
-    """Marks a step of every device's pool after every optimizer's
-    `step()`, once per process; none while a CUDA graph is being captured
-    (a captured optimizer step runs again at each replay, with no Python)."""
+    """Marks a step of every device's pool after the optimizer step that
+    ends a training iteration (every step, with one optimizer; see
+    `_iterations`), once per process; none while a CUDA graph is being
+    captured (a captured optimizer step runs again at each replay, with no
+    Python)."""
     global _marking_optimizer_steps
     if _marking_optimizer_steps:
         return
@@ -174,8 +179,10 @@ def _mark_optimizer_steps(torch: Any) -> None:
         warnings.warn("this vmpool library cannot mark steps at optimizer steps", RuntimeWarning, stacklevel=3)
         return
 
-    def after_step(*_: Any) -> None:
-        if not torch.cuda.is_current_stream_capturing():
+    iterations = Iterations()
+
+    def after_step(optimizer: Any, *_: Any) -> None:
+        if not torch.cuda.is_current_stream_capturing() and iterations.ends_iteration(optimizer):
             # At each pool's next allocation: the gradients, freed after
             # the optimizer's step (`zero_grad`), belong to the step ending.
             # Every device: a model split over several GPUs steps on all of
