@@ -455,6 +455,38 @@ pub fn address_space_runs_out<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// With no room left in the large allocations' part of the address
+/// space, a large request is served from the small allocations' free
+/// memory, as when the device is full.
+pub fn a_full_address_space_borrows_the_other_arenas_memory<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(64 * MIB),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let base = pool.snapshot().arenas[0].0;
+    // A small allocation maps a granule of the small part; the rest of
+    // it stays free there (a unit with a live byte does not move).
+    let small = pool.allocate(256).unwrap();
+    let large = pool.allocate(56 * MIB).unwrap();
+    let borrowed = pool.allocate(SMALL_LIMIT).unwrap();
+    assert!(
+        borrowed.ptr().0 < base + 8 * MIB,
+        "{} is not in the small part",
+        borrowed.ptr()
+    );
+    assert!(matches!(
+        pool.allocate(8 * MIB),
+        Err(Error::OutOfAddressSpace { .. })
+    ));
+    pool.free(borrowed).unwrap();
+    pool.free(large).unwrap();
+    pool.free(small).unwrap();
+    pool.audit().unwrap();
+}
+
 pub fn pool_limit<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
@@ -549,6 +581,7 @@ suites!(
     live_memory_outlives_its_pool,
     pool_limit,
     address_space_runs_out,
+    a_full_address_space_borrows_the_other_arenas_memory,
 );
 
 // ---- host only: a small device, filled up, and injected faults ---------------
