@@ -102,9 +102,16 @@ fn lay_out_within(
     let best = smaller(best, lifetimes, align, limit, left, |i| {
         (Reverse(l(i).size), Reverse(l(i).end - l(i).start))
     });
-    smaller(best, lifetimes, align, limit, left, |i| {
+    let best = smaller(best, lifetimes, align, limit, left, |i| {
         (Reverse(breadth[i]), Reverse(l(i).size), l(i).start)
-    })
+    });
+    if best.is_none() && *left == 0 {
+        tracing::info!(
+            allocations = lifetimes.len(),
+            "step layout given up: placing it would take too long"
+        );
+    }
+    best
 }
 
 /// The layout in the order of `key` if it is smaller than `best` (and
@@ -175,8 +182,9 @@ fn breadths(lifetimes: &[Lifetime]) -> Vec<u64> {
 }
 
 /// Lays out greedily in the order of `key` (of an allocation's index);
-/// `None` as soon as the layout passes `bound` bytes or has visited
-/// `visits` placed allocations (what is left of it stays there).
+/// `None` as soon as the layout passes `bound` bytes, or once it has
+/// visited `visits` placed allocations (`visits` is then 0; else what is
+/// left of it).
 fn lay_out_by<K: Ord>(
     lifetimes: &[Lifetime],
     align: u64,
@@ -217,7 +225,11 @@ fn lay_out_by<K: Ord>(
                 }
             }
         }
-        *visits = visits.checked_sub(visited)?;
+        let Some(left) = visits.checked_sub(visited) else {
+            *visits = 0;
+            return None;
+        };
+        *visits = left;
         if spanned.start() != spanned.end() {
             met.sort_unstable();
         }
