@@ -31,6 +31,9 @@ Models, in MODELS order:
                        requests, each prompt 16-512 tokens (left-padded), a
                        prefill and 2-8 greedy decode steps with a KV cache,
                        in inference mode
+    gan-train          a DCGAN (a generator of 64x64 images from 128 values
+                       of noise, a discriminator), batch 128, each trained
+                       by its own AdamW: two optimizer steps a step
 
 Probes (not models; run only when named):
 
@@ -550,6 +553,57 @@ def calls_probe(torch, dev, rng, steps):
     return [None] * steps, step
 
 
+# ---- a GAN: two optimizers a step ------------------------------------------------
+
+
+def gan_train(torch, dev, rng, steps):
+    nn, F = torch.nn, torch.nn.functional
+    noise, width, batch = 128, 64, 128
+
+    def up(cin, cout, stride, pad):
+        return [nn.ConvTranspose2d(cin, cout, 4, stride, pad, bias=False), nn.BatchNorm2d(cout), nn.ReLU(True)]
+
+    def down(cin, cout):
+        return [nn.Conv2d(cin, cout, 4, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.LeakyReLU(0.2, True)]
+
+    # 1 -> 4 -> 8 -> 16 -> 32 -> 64 pixels, and back down to one logit.
+    generator = nn.Sequential(
+        *up(noise, width * 8, 1, 0),
+        *up(width * 8, width * 4, 2, 1),
+        *up(width * 4, width * 2, 2, 1),
+        *up(width * 2, width, 2, 1),
+        nn.ConvTranspose2d(width, 3, 4, 2, 1, bias=False),
+        nn.Tanh(),
+    ).to(dev)
+    discriminator = nn.Sequential(
+        nn.Conv2d(3, width, 4, 2, 1, bias=False),
+        nn.LeakyReLU(0.2, True),
+        *down(width, width * 2),
+        *down(width * 2, width * 4),
+        *down(width * 4, width * 8),
+        nn.Conv2d(width * 8, 1, 4, 1, 0, bias=False),
+        nn.Flatten(),
+    ).to(dev)
+    opt_d = torch.optim.AdamW(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.AdamW(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+    def step(_):
+        real = torch.rand(batch, 3, 64, 64, device=dev) * 2 - 1
+        fake = generator(torch.randn(batch, noise, 1, 1, device=dev))
+        ones = torch.ones(batch, 1, device=dev)
+        zeros = torch.zeros(batch, 1, device=dev)
+        # The discriminator's gradients from the generator's step before.
+        opt_d.zero_grad(set_to_none=True)
+        loss_d = F.binary_cross_entropy_with_logits(discriminator(real), ones) + (
+            F.binary_cross_entropy_with_logits(discriminator(fake.detach()), zeros)
+        )
+        d = optimizer_step(opt_d, loss_d)
+        loss_g = F.binary_cross_entropy_with_logits(discriminator(fake), ones)
+        return d + optimizer_step(opt_g, loss_g)
+
+    return [None] * steps, step
+
+
 BUILD = {
     "gpt2-train": gpt2_train,
     "gpt2-generate": gpt2_generate,
@@ -559,6 +613,7 @@ BUILD = {
     "unet-train": unet_train,
     "moe-train": moe_train,
     "serve-loop": serve_loop,
+    "gan-train": gan_train,
     "gather-probe": gather_probe,
     "calls-probe": calls_probe,
 }
