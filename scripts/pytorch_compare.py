@@ -73,7 +73,7 @@ from torch_cases import report, run_case  # noqa: E402
 from torch_workloads import BUILD, DEFAULT_CALLS_TRACE, MODELS, PROBES  # noqa: E402
 
 # The three workloads of the first runs, what a run without --workloads
-# takes; MODELS (all eight) is what gpu-run.sh's long job runs.
+# takes; MODELS (all nine) is what gpu-run.sh's long job runs.
 DEFAULT_WORKLOADS = ["gpt2-train", "gpt2-generate", "resnet50-train"]
 ALLOCATORS = {
     "native": "",
