@@ -38,8 +38,13 @@ fn check<B: TestBackend>(b: &B, s: &B::Stream, a: &Allocation, seed: u32) {
 }
 
 fn small_pool<B: TestBackend>(ctx: &Context<B>) -> vmpool::Pool<B> {
+    pool_reserving(ctx, 4 << 30)
+}
+
+/// A pool of `va_size` bytes of address space, the rest by default.
+fn pool_reserving<B: TestBackend>(ctx: &Context<B>, va_size: u64) -> vmpool::Pool<B> {
     ctx.create_pool(&PoolProps {
-        va_size: Some(4 << 30),
+        va_size: Some(va_size),
         ..PoolProps::new(DEV)
     })
     .unwrap()
@@ -418,12 +423,7 @@ pub fn live_memory_outlives_its_pool<B: TestBackend>(b: &Arc<B>) {
 pub fn address_space_runs_out<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     // 64 MiB: an eighth for small allocations, 56 MiB for large ones.
-    let pool = ctx
-        .create_pool(&PoolProps {
-            va_size: Some(64 * MIB),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = pool_reserving(&ctx, 64 * MIB);
     let live = pool.allocate(24 * MIB).unwrap();
     let freed = pool.allocate(24 * MIB).unwrap();
     pool.free(freed).unwrap();
@@ -460,12 +460,7 @@ pub fn address_space_runs_out<B: TestBackend>(b: &Arc<B>) {
 /// memory, as when the device is full.
 pub fn a_full_address_space_borrows_the_other_arenas_memory<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = ctx
-        .create_pool(&PoolProps {
-            va_size: Some(64 * MIB),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = pool_reserving(&ctx, 64 * MIB);
     let base = pool.snapshot().arenas[0].0;
     // A small allocation maps a granule of the small part; the rest of
     // it stays free there (a unit with a live byte does not move).
