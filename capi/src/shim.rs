@@ -189,10 +189,14 @@ impl<B: Backend> Shim<B> {
     }
 
     fn device(&self, device: i64) -> Result<&Device<B>, CallError> {
-        usize::try_from(device)
+        // Not `ok_or`: it would build (and drop) the error on every call.
+        match usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
-            .ok_or(CallError::NoDevice(device))
+        {
+            Some(dev) => Ok(dev),
+            None => Err(CallError::NoDevice(device)),
+        }
     }
 
     /// The device's pool, made (and made current) on first use.
@@ -419,7 +423,7 @@ impl<B: Backend> Shim<B> {
                 "vmpool: free names another size than was allocated; freeing the allocation"
             );
         }
-        if !live.used_on.is_empty() && dev.graphs.any_open() {
+        if !live.used_on().is_empty() && dev.graphs.any_open() {
             lock(&dev.deferred_frees).push(DeferredFree { ptr, live, stream });
             return Ok(());
         }
@@ -436,17 +440,14 @@ impl<B: Backend> Shim<B> {
         live: Live<B>,
         stream: usize,
     ) -> Result<(), CallError> {
-        let Live {
-            allocation,
-            used_on,
-            owner,
-        } = live;
+        let owner = live.owner();
         // There: it was made before the first allocation.
         let pool = self.pool(dev)?;
-        let mut allocation = Some(allocation);
+        let mut live = Some(live);
         let freed = self.with_stream(dev, stream, |s| -> Result<(), CallError> {
-            self.wait_for_users(dev, s, &used_on)?;
-            let allocation = allocation.take().expect("called once");
+            let users = live.as_ref().expect("called once").used_on();
+            self.wait_for_users(dev, s, users)?;
+            let allocation = live.take().expect("called once").allocation;
             match owner {
                 Owner::Device => pool.free_async(allocation, s)?,
                 Owner::Graph(id) => dev
@@ -480,12 +481,7 @@ impl<B: Backend> Shim<B> {
         // Not handed over (the stream could not be adopted, or it could not
         // be made to wait for the allocation's other users): nothing
         // changed, it stays live.
-        if let Some(allocation) = allocation {
-            let live = Live {
-                allocation,
-                used_on,
-                owner,
-            };
+        if let Some(live) = live {
             dev.live.insert(ptr, live);
         }
         Err(err)
