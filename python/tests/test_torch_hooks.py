@@ -15,7 +15,7 @@ import pytest
 
 FAKE_TORCH = {
     "torch/__init__.py": """
-        from . import cuda, optim
+        from . import amp, cuda, optim
 
         class OutOfMemoryError(RuntimeError):
             pass
@@ -64,6 +64,19 @@ FAKE_TORCH = {
             # What Optimizer.step() does after its update.
             for hook in hooks:
                 hook(optimizer, (), {})
+    """,
+    "torch/amp/__init__.py": """
+        class GradScaler:
+            # As PyTorch's: the optimizer's step only if no gradient
+            # overflowed (`overflowed`, set by the test).
+            overflowed = False
+
+            def step(self, optimizer, *args, **kwargs):
+                from torch.optim import optimizer as module
+
+                if not self.overflowed:
+                    return module.step(optimizer)
+                return None
     """,
     "torch/cuda/_utils.py": """
         def _get_device_index(device, optional=False):
@@ -211,6 +224,33 @@ def test_install_marks_a_step_after_each_optimizer_step(fake_torch):
     """
     env = dict(fake_torch, VMPOOL_HOST_DEVICES="2")
     assert _python(env, "-c", textwrap.dedent(script)).strip() == "ok"
+
+
+def test_a_step_the_grad_scaler_skips_ends_its_iteration(fake_torch):
+    # Mixed precision: an overflow skips the optimizer's step, and with it
+    # the optimizer's hooks. Unmarked, that iteration and the next would
+    # make one step, unlike the others, and the layout would be given up.
+    script = """
+        import torch
+        import vmpool, vmpool.torch
+
+        vmpool.torch.install()
+        optimizer, scaler = object(), torch.amp.GradScaler()
+        weights = vmpool.alloc(8 << 20)
+        for iteration in range(10):
+            kept, scratch = vmpool.alloc(1 << 20), vmpool.alloc(3 << 20)
+            vmpool.free(scratch)
+            scaler.overflowed = iteration in (4, 7)
+            scaler.step(optimizer)
+            vmpool.free(kept)
+        stats = vmpool.torch.stats()
+        # One mark an iteration, each at the next one's first allocation.
+        assert stats.steps == 9, stats.steps
+        assert stats.step_layouts == 1 and stats.planned > 0 and stats.missed == 0, stats
+        vmpool.free(weights)
+        print("ok")
+    """
+    assert _python(fake_torch, "-c", textwrap.dedent(script)).strip() == "ok"
 
 
 def test_two_optimizers_mark_one_step_an_iteration(fake_torch):

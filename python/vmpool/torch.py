@@ -26,6 +26,7 @@ None for the current one); `vmpool`'s own take an index.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import runpy
 import sys
@@ -121,6 +122,8 @@ def install(mark_steps: bool | None = None) -> Any:
     driver without a change to the program (Note [Step layouts] in
     docs/DESIGN.md). With several optimizers (a GAN's two), only the last
     step of each iteration does, once their order has repeated twice. A
+    step a `torch.amp.GradScaler` skips (overflowed gradients) counts as
+    taken. A
     loop with no optimizer (a server, a generation loop) calls
     `mark_step()` itself.
 
@@ -168,7 +171,8 @@ _marking_optimizer_steps = False
 def _mark_optimizer_steps(torch: Any) -> None:
     """Marks a step of every device's pool after the optimizer step that
     ends a training iteration (every step, with one optimizer; see
-    `_iterations`), once per process; none while a CUDA graph is being
+    `_iterations`), or after a `GradScaler` step that skipped the
+    optimizer's, once per process; none while a CUDA graph is being
     captured (a captured optimizer step runs again at each replay, with no
     Python)."""
     global _marking_optimizer_steps
@@ -180,8 +184,11 @@ def _mark_optimizer_steps(torch: Any) -> None:
         return
 
     iterations = Iterations()
+    steps_taken = 0
 
     def after_step(optimizer: Any, *_: Any) -> None:
+        nonlocal steps_taken
+        steps_taken += 1
         if not torch.cuda.is_current_stream_capturing() and iterations.ends_iteration(optimizer):
             # At each pool's next allocation: the gradients, freed after
             # the optimizer's step (`zero_grad`), belong to the step ending.
@@ -194,6 +201,24 @@ def _mark_optimizer_steps(torch: Any) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(after_step)
+
+    # A `GradScaler` skips the optimizer's step when the scaled gradients
+    # overflowed (mixed precision's first steps, then now and then): no
+    # hook runs, yet the iteration ended. Unmarked, that step and the next
+    # would make one, unlike the others, and the layout would be given up.
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler is not None:
+        scaler_step = scaler.step
+
+        @functools.wraps(scaler_step)
+        def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = steps_taken
+            out = scaler_step(self, optimizer, *args, **kwargs)
+            if steps_taken == before:
+                after_step(optimizer)
+            return out
+
+        scaler.step = step
     _marking_optimizer_steps = True
 
 
