@@ -132,9 +132,10 @@ pub enum Error {
     /// or data is not what vmpool sends.
     #[error("sharing with another process: {0}")]
     Ipc(String),
-    /// The pool is asleep (`Pool::sleep`): it allocates and frees nothing
-    /// until `Pool::wake`.
-    #[error("the pool is asleep: wake it before allocating or freeing")]
+    /// The pool is asleep (`Pool::sleep`): it allocates nothing and marks
+    /// no step until `Pool::wake`. (Frees are taken: their bytes are not
+    /// copied back.)
+    #[error("the pool is asleep: wake it before allocating")]
     Asleep,
     /// `Pool::sleep` of a pool asleep already, or `Pool::wake` of one that
     /// is awake.

@@ -160,6 +160,53 @@ pub fn asleep_the_pool_refuses_calls<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// A free while asleep is taken, synchronous or stream-ordered, from the
+/// middle of a kept range or alone: nothing leaks, the freed bytes are not
+/// copied back, the others come back intact, and the memory is reused
+/// after the wake.
+pub fn a_free_while_asleep_is_taken<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = ctx.create_pool(&PoolProps::new(DEV)).unwrap();
+    pool.set_retention(Retention::Keep);
+    let s = ctx.create_stream(DEV).unwrap();
+    // Adjacent: one kept range, cut in its middle by the second's free.
+    let mut live = filled(b, &pool, &s, &[3 * MIB, 2 * MIB, 5 * MIB, 700 * 1024]);
+    let bytes = |l: &[(Allocation, u32)]| l.iter().map(|(a, _)| a.size()).sum::<u64>();
+    let slept = pool.sleep(SleepLevel::KeepTagged, &s).unwrap();
+    assert_eq!(slept.kept_bytes, bytes(&live));
+    let (middle, _) = live.remove(1);
+    pool.free(middle).unwrap();
+    let (last, _) = live.pop().unwrap();
+    pool.free_async(last, &s).unwrap();
+    let asleep = pool.stats();
+    assert!(asleep.asleep);
+    assert_eq!(asleep.kept_on_host_bytes, bytes(&live));
+    assert_eq!(asleep.used_bytes, bytes(&live));
+    pool.audit().unwrap();
+    let woken = pool.wake(&s).unwrap();
+    assert_eq!(woken.restored_bytes, bytes(&live));
+    check_filled(b, &s, &live);
+    pool.audit().unwrap();
+    // The freed memory is the pool's again: no growth for it.
+    let reserved = pool.stats().reserved_bytes;
+    let again = pool.allocate(2 * MIB).unwrap();
+    let after = pool.allocate_async(700 * 1024, &s).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, reserved);
+    pool.free(again).unwrap();
+    pool.free_async(after, &s).unwrap();
+    // Everything freed while asleep: nothing to copy back.
+    pool.sleep(SleepLevel::KeepTagged, &s).unwrap();
+    for (a, _) in live {
+        pool.free(a).unwrap();
+    }
+    assert_eq!(pool.stats().kept_on_host_bytes, 0);
+    assert_eq!(pool.wake(&s).unwrap().restored_bytes, 0);
+    ctx.synchronize_device(DEV).unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    pool.audit().unwrap();
+}
+
 pub fn stream_ordered_frees_are_waited_for<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx.create_pool(&PoolProps::new(DEV)).unwrap();
@@ -267,6 +314,7 @@ suites!(
     kept_bytes_come_back_at_their_addresses,
     discarded_pools_and_level_two_keep_nothing,
     asleep_the_pool_refuses_calls,
+    a_free_while_asleep_is_taken,
     stream_ordered_frees_are_waited_for,
     the_host_buffer_is_kept_between_cycles,
 );
@@ -575,12 +623,23 @@ proptest! {
             let before = pool.stats();
             let report = pool.sleep(level, &s).unwrap();
             let kept = keep && !level_two;
-            let live_bytes: u64 = live.iter().map(|(a, _)| a.size().next_multiple_of(256)).sum();
-            prop_assert_eq!(report.kept_bytes, if kept { live_bytes } else { 0 });
+            let rounded = |l: &[(Allocation, u32)]| -> u64 {
+                l.iter().map(|(a, _)| a.size().next_multiple_of(256)).sum()
+            };
+            prop_assert_eq!(report.kept_bytes, if kept { rounded(&live) } else { 0 });
             prop_assert_eq!(pool.stats().reserved_bytes, 0);
             prop_assert_eq!(pool.stats().used_bytes, before.used_bytes);
+            // Frees while asleep, every third from the end: not copied back.
+            let mut i = live.len();
+            while i >= 3 {
+                i -= 3;
+                let (a, _) = live.remove(i);
+                pool.free(a).unwrap();
+            }
+            let on_host = pool.stats().kept_on_host_bytes;
+            prop_assert_eq!(on_host, if kept { rounded(&live) } else { 0 });
             pool.audit().unwrap();
-            pool.wake(&s).unwrap();
+            prop_assert_eq!(pool.wake(&s).unwrap().restored_bytes, on_host);
             pool.audit().unwrap();
             if kept {
                 check_filled(&b, &s, &live);

@@ -140,8 +140,8 @@ int vmpool_set_retention(int keep);
 /* Gives every device pool's memory back while every pointer into it stays
  * valid: level 1 keeps the bytes of pools whose retention keeps them, level
  * 2 keeps nothing. Waits for the streams vmpool has seen first. Until
- * vmpool_wake, allocations return NULL and frees are refused (logged); work
- * that touches the memory faults. CUDA graphs' pools stay awake. Refused
+ * vmpool_wake, allocations return NULL (logged) and work that touches the
+ * memory faults; frees are taken, and their bytes are not copied back. CUDA graphs' pools stay awake. Refused
  * during a graph capture. A pool under 2 GiB is made of 2 MiB chunks, and
  * its first sleep pays for releasing each (30-60 us apiece on an H200);
  * VMPOOL_CHUNK_DIVISOR=off grows it by whole chunks instead. 0 / -1

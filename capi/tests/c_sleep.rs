@@ -91,7 +91,16 @@ fn sleep_and_wake_through_the_c_functions() {
     assert!(all(a, 4 * MIB, 0x11));
 
     assert_eq!(vmpool_sleep(3), -1, "no such level");
-    vmpool_free(a, 4 * MIB as isize, 0, stream());
+
+    // A tensor dropped while its pool sleeps: taken, and not copied back.
+    fill(b, 300 * 1024, 0x3C);
+    assert_eq!(vmpool_sleep(1), 0);
     vmpool_free(b, 300 * 1024, 0, stream());
+    assert_eq!(vmpool_stats(0).used_bytes, 4 * MIB as u64);
+    assert_eq!(vmpool_wake(), 0);
+    assert!(all(a, 4 * MIB, 0x11));
+    vmpool_free(b, 300 * 1024, 0, stream());
+    assert_eq!(vmpool_stats(0).refused_frees, 1, "freed once already");
+    vmpool_free(a, 4 * MIB as isize, 0, stream());
     assert_eq!(vmpool_stats(0).used_bytes, 0);
 }

@@ -525,8 +525,8 @@ def sleep(level: int = 1) -> None:
     stays valid, as vLLM's sleep mode: level 1 keeps the bytes of pools
     whose retention keeps them (`set_retention(True)`), level 2 keeps
     nothing. Waits for the streams vmpool has seen. Until `wake()`,
-    allocations fail; work that touches the memory faults. CUDA graphs'
-    pools stay awake."""
+    allocations fail and work that touches the memory faults; frees are
+    taken, their bytes not copied back. CUDA graphs' pools stay awake."""
     if level not in (1, 2):
         raise ValueError(f"sleep level {level}: 1 or 2")
     _check("sleep", library().vmpool_sleep(level))

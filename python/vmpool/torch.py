@@ -465,7 +465,8 @@ def sleep(level: int = 1) -> None:
     """Gives the GPU memory back while every tensor's pointer stays valid,
     as vLLM's sleep mode: level 1 keeps the bytes when `set_retention(True)`
     was called, level 2 keeps nothing. `torch.cuda.mem_get_info()` shows the
-    memory free until `wake()`; allocating meanwhile fails. CUDA graphs
+    memory free until `wake()`; allocating meanwhile fails, and a tensor
+    dropped meanwhile is freed (its bytes are not copied back). CUDA graphs
     captured before the sleep replay after the wake (their own pools stay
     awake). A pool under 2 GiB is made of 2 MiB chunks, and its first sleep
     pays for releasing each (30-60 us apiece on an H200); with

@@ -295,7 +295,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         self.same_device(stream)?;
-        self.awake()?;
+        self.forget_kept(&allocation);
         // The allocation is not moved through an Option on the common way:
         // those copies cost the free path time (docs/RESULTS.md, "The pool
         // split").
@@ -332,13 +332,30 @@ impl<B: Backend> Pool<B> {
         }
     }
 
-    /// Refuses a free while the pool sleeps (its memory is not mapped).
-    #[inline(always)]
+    /// Refuses a call while the pool sleeps (its memory is not mapped).
     fn awake(&self) -> Result<()> {
         if self.0.asleep.load(Ordering::Acquire) {
             return Err(Error::Asleep);
         }
         Ok(())
+    }
+
+    /// A free while the pool sleeps: its bytes are no longer copied back
+    /// at wake. The free itself then goes on as when awake: the heap and
+    /// the streams' pending frees are books, no memory is touched (Note
+    /// [Sleep and wake] in docs/DESIGN.md).
+    #[inline(always)]
+    fn forget_kept(&self, allocation: &Allocation) {
+        if self.0.asleep.load(Ordering::Acquire) {
+            self.forget_kept_asleep(allocation);
+        }
+    }
+
+    #[cold]
+    fn forget_kept_asleep(&self, allocation: &Allocation) {
+        if let Some(slumber) = self.lock().slumber.as_mut() {
+            slumber.forget(allocation.ptr.0, allocation.block_size);
+        }
     }
 
     /// Out of line: a stream registers once, then frees on the hot path.
@@ -462,7 +479,7 @@ impl<B: Backend> Pool<B> {
                 ptr: allocation.ptr.0,
             });
         }
-        self.awake()?;
+        self.forget_kept(&allocation);
         if self.0.exports.any() {
             if let Some(allocation) = self.0.exports.on_free(allocation, None) {
                 self.release(&allocation);

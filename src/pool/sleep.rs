@@ -91,9 +91,11 @@ impl<B: Backend> Pool<B> {
     /// memory when the pool's retention is [`Retention::Keep`] and `level`
     /// is [`SleepLevel::KeepTagged`], then unmaps and releases every chunk.
     /// The address range stays reserved. Until [`Pool::wake`], allocating
-    /// and freeing fail with [`Error::Asleep`]; work on the pool's memory
-    /// faults. Not during a graph capture, nor while another process holds
-    /// imports of the pool's memory.
+    /// fails with [`Error::Asleep`] and work on the pool's memory faults;
+    /// a free is taken as when awake, and its bytes are not copied back
+    /// (a tensor dropped while its pool sleeps is neither lost nor
+    /// restored). Not during a graph capture, nor while another process
+    /// holds imports of the pool's memory.
     ///
     /// The host memory is page-locked and stays with the pool after the
     /// wake, for the next sleep to reuse ([`PoolStats::host_bytes`](crate::PoolStats::host_bytes);
@@ -220,6 +222,40 @@ pub(super) struct Slumber {
 impl Slumber {
     pub(super) fn kept_bytes(&self) -> u64 {
         self.kept
+    }
+
+    /// Takes `[start, start + len)`, freed while asleep, out of the bytes
+    /// to copy back; the host buffer keeps its layout.
+    pub(super) fn forget(&mut self, start: u64, len: u64) {
+        let end = start + len;
+        // The copies are in address order and do not overlap.
+        let first = self
+            .copies
+            .partition_point(|c| c.device.0 + c.len as u64 <= start);
+        let last = first
+            + self.copies[first..]
+                .iter()
+                .take_while(|c| c.device.0 < end)
+                .count();
+        let mut left = Vec::new();
+        for c in &self.copies[first..last] {
+            let (from, to) = (c.device.0, c.device.0 + c.len as u64);
+            if from < start {
+                left.push(HostCopy {
+                    len: (start - from) as usize,
+                    ..*c
+                });
+            }
+            if to > end {
+                left.push(HostCopy {
+                    device: vmm::DevicePtr(end),
+                    host_offset: c.host_offset + (end - from) as usize,
+                    len: (to - end) as usize,
+                });
+            }
+            self.kept -= to.min(end) - from.max(start);
+        }
+        self.copies.splice(first..last, left);
     }
 
     /// Bytes of the units to map back.
