@@ -286,7 +286,10 @@ impl<B: Backend> Pool<B> {
 
     /// Frees `allocation` in stream order on `stream`: the memory goes back
     /// to the pool once the work queued on `stream` so far has run. The
-    /// stream must be ordered after every use of the allocation.
+    /// stream must be ordered after every use of the allocation. Taken
+    /// while the pool sleeps too, as [`Pool::free`]; another pool's
+    /// allocation, or a stream of another device, is an error, and the
+    /// allocation is dropped.
     #[inline]
     pub fn free_async(&self, allocation: Allocation, stream: &Stream<B>) -> Result<()> {
         if !self.owns(&allocation) {
@@ -472,7 +475,11 @@ impl<B: Backend> Pool<B> {
         }
     }
 
-    /// Returns an allocation to the pool.
+    /// Returns an allocation to the pool; also while it sleeps (the bytes
+    /// are then not copied back at wake). [`Error::WrongPool`] for another
+    /// pool's allocation, which is then dropped and stays in use in its
+    /// own pool: [`Context::free_async`](crate::Context::free_async) finds
+    /// the owner.
     pub fn free(&self, allocation: Allocation) -> Result<()> {
         if !self.owns(&allocation) {
             return Err(Error::WrongPool {
