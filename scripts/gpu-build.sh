@@ -73,7 +73,7 @@ cp target/release/examples/c_calls "$bundle/bin/c_calls"
 # beside the package's folder); the wheel, which torch_wheel_check.py
 # installs into a fresh environment there.
 cargo build --release -p vmpool-c
-cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_cases.py scripts/torch_workloads.py scripts/torch_wheel_check.py scripts/torch_sleep.py scripts/torch_mempool.py scripts/torch_ddp.py scripts/nccl_bandwidth.py "$bundle/torch/"
+cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_marks.py scripts/torch_cases.py scripts/torch_workloads.py scripts/torch_wheel_check.py scripts/torch_sleep.py scripts/torch_mempool.py scripts/torch_ddp.py scripts/nccl_bandwidth.py "$bundle/torch/"
 mkdir -p "$bundle/torch/vmpool"
 cp python/vmpool/*.py python/vmpool/py.typed "$bundle/torch/vmpool/"
 python3 -m pip wheel --quiet --no-deps . -w "$bundle/torch"

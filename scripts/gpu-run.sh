@@ -5,7 +5,7 @@
 # call starts its log afresh: to keep several calls' logs (a loop over
 # seeds, say), give each call a folder of its own, OUT=$OUT/seed1 ...
 #
-#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [wheel] [torch-sleep] [mempool] [c-calls] [multi] [ddp] [nccl]
+#   bash gpu-bundle/gpu-run.sh [tests] [examples] [bench] [replay] [soak] [sleep] [torch] [long] [calls] [record-stream] [graphs] [limits] [stats] [marks] [wheel] [torch-sleep] [mempool] [c-calls] [multi] [ddp] [nccl]
 #   (default: tests, examples, bench and replay;
 #   soak runs SOAK_SECONDS, default 300)
 #
@@ -37,6 +37,10 @@
 #
 # stats: scripts/torch_stats.py, whether PyTorch's memory statistics
 # (torch.cuda.memory_allocated() and the rest) report vmpool's figures.
+#
+# marks: scripts/torch_marks.py, whether install() marks one step an
+# iteration under PyTorch: one optimizer, two, and a GradScaler that skips
+# optimizer steps.
 #
 # sleep: examples/sleep_wake.rs, a pool keeping SLEEP_GIB GiB (default
 # 1,10,40) put to sleep and woken SLEEP_CYCLES times (default 3: the first
@@ -125,7 +129,7 @@ for job in $jobs; do
     examples | sleep) parts=examples ;;
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
-    torch | long | record-stream | graphs | limits | stats | wheel | torch-sleep | mempool | ddp | nccl) parts=torch ;;
+    torch | long | record-stream | graphs | limits | stats | marks | wheel | torch-sleep | mempool | ddp | nccl) parts=torch ;;
     calls) parts="torch traces" ;;
     *) parts= ;;
     esac
@@ -231,6 +235,9 @@ for job in $jobs; do
         ;;
     stats)
         run "pytorch stats" python3 "$here/torch/torch_stats.py"
+        ;;
+    marks)
+        run "pytorch step marks" python3 "$here/torch/torch_marks.py"
         ;;
     wheel)
         run "pytorch wheel" python3 "$here/torch/torch_wheel_check.py" --out "$outdir"
