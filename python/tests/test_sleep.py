@@ -47,6 +47,14 @@ SCRIPT = textwrap.dedent(
     vmpool.wake()
     assert vmpool.stats().host_bytes == 16 * MIB
     assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
+    # A buffer dropped while asleep is freed, and its bytes are not copied back.
+    other = vmpool.alloc(2 * MIB)
+    vmpool.sleep(1)
+    vmpool.free(other)
+    assert vmpool.stats().used_bytes == 4 * MIB
+    vmpool.wake()
+    assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
+    assert vmpool.stats().refused_frees == 0
     vmpool.sleep(2)
     vmpool.wake()
     try:
