@@ -110,6 +110,39 @@ pub(super) fn wake_chunks(units: &[(Va, u64)], blocks: &[(u64, u64)], cap: u64) 
     chunks
 }
 
+/// Takes `[start, end)` out of `copies` (address order, not overlapping),
+/// cutting a copy that crosses either end; the parts left keep their
+/// places in the host buffer. Returns the bytes taken out.
+pub(super) fn cut_copies(copies: &mut Vec<HostCopy>, start: u64, end: u64) -> u64 {
+    let first = copies.partition_point(|c| c.device.0 + c.len as u64 <= start);
+    let last = first
+        + copies[first..]
+            .iter()
+            .take_while(|c| c.device.0 < end)
+            .count();
+    let mut left = Vec::new();
+    let mut taken = 0;
+    for c in &copies[first..last] {
+        let (from, to) = (c.device.0, c.device.0 + c.len as u64);
+        if from < start {
+            left.push(HostCopy {
+                len: (start - from) as usize,
+                ..*c
+            });
+        }
+        if to > end {
+            left.push(HostCopy {
+                device: vmm::DevicePtr(end),
+                host_offset: c.host_offset + (end - from) as usize,
+                len: (to - end) as usize,
+            });
+        }
+        taken += to.min(end) - from.max(start);
+    }
+    copies.splice(first..last, left);
+    taken
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,6 +187,30 @@ mod tests {
         // Every byte once.
         let total: usize = batches.iter().flatten().map(|c| c.len).sum();
         assert_eq!(total, 3 * g + 8);
+    }
+
+    #[test]
+    fn a_range_freed_asleep_is_cut_out_of_the_copies() {
+        let copies = vec![
+            copy(0, 0, 1000),
+            copy(4096, 1000, 500),
+            copy(8192, 1500, 300),
+        ];
+        // Inside one copy: two parts, the second where it was on the host.
+        let mut c = copies.clone();
+        assert_eq!(cut_copies(&mut c, 256, 512), 256);
+        assert_eq!(c[..2], [copy(0, 0, 256), copy(512, 512, 488)]);
+        assert_eq!(c[2..], copies[1..]);
+        // Across copies and the gaps between them: the ends cut, the middle gone.
+        let mut c = copies.clone();
+        assert_eq!(cut_copies(&mut c, 768, 8292), 232 + 500 + 100);
+        assert_eq!(c, [copy(0, 0, 768), copy(8292, 1600, 200)]);
+        // Whole copies, and a range that holds none.
+        let mut c = copies.clone();
+        assert_eq!(cut_copies(&mut c, 4096, 4596), 500);
+        assert_eq!(c, [copies[0], copies[2]]);
+        assert_eq!(cut_copies(&mut c, 2000, 4000), 0);
+        assert_eq!(c, [copies[0], copies[2]]);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use vmm::{Backend, ErrorKind, HostBuffer, HostCopy};
 
-use super::batches::{batch_starts, batch_units, host_size, split_copies, wake_chunks};
+use super::batches::{batch_starts, batch_units, cut_copies, host_size, split_copies, wake_chunks};
 use super::inner::Inner;
 use super::Pool;
 use crate::arena::ArenaId;
@@ -227,35 +227,7 @@ impl Slumber {
     /// Takes `[start, start + len)`, freed while asleep, out of the bytes
     /// to copy back; the host buffer keeps its layout.
     pub(super) fn forget(&mut self, start: u64, len: u64) {
-        let end = start + len;
-        // The copies are in address order and do not overlap.
-        let first = self
-            .copies
-            .partition_point(|c| c.device.0 + c.len as u64 <= start);
-        let last = first
-            + self.copies[first..]
-                .iter()
-                .take_while(|c| c.device.0 < end)
-                .count();
-        let mut left = Vec::new();
-        for c in &self.copies[first..last] {
-            let (from, to) = (c.device.0, c.device.0 + c.len as u64);
-            if from < start {
-                left.push(HostCopy {
-                    len: (start - from) as usize,
-                    ..*c
-                });
-            }
-            if to > end {
-                left.push(HostCopy {
-                    device: vmm::DevicePtr(end),
-                    host_offset: c.host_offset + (end - from) as usize,
-                    len: (to - end) as usize,
-                });
-            }
-            self.kept -= to.min(end) - from.max(start);
-        }
-        self.copies.splice(first..last, left);
+        self.kept -= cut_copies(&mut self.copies, start, start + len);
     }
 
     /// Bytes of the units to map back.
