@@ -13,7 +13,7 @@
 # --allocators vmpool" for a quick check); its JSON goes to $OUT.
 #
 # long: scripts/pytorch_compare.py over the models in WORKLOADS (default
-# all eight), the ALLOCATORS (default native, vmpool and vmpool-steps:
+# all nine), the ALLOCATORS (default native, vmpool and vmpool-steps:
 # vmpool marks a step at each optimizer step, vmpool-steps at each step of
 # the loop) interleaved, REPEATS runs (default 3) of
 # STEPS steps (default 300) each, to $OUT/long.json; then one vmpool run of
