@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""What of the PyTorch integration can be checked without a GPU, against
+the real PyTorch: the PyPI wheel installs and imports on a machine with no
+driver (`pip install torch`); only its CUDA calls fail.
+
+- `gan-train` (scripts/torch_workloads.py) runs three steps on the CPU: its
+  shapes fit and its losses are finite.
+- `install()`'s step marks (`vmpool.torch._mark_optimizer_steps`) under
+  PyTorch's own optimizer hooks and `torch.amp.GradScaler`: one mark an
+  iteration with one optimizer; with two, one at each of the first four
+  optimizer steps, then one an iteration; with a GradScaler whose scale
+  overflows, one an iteration, skipped steps included. The marks are
+  counted instead of made, and the two CUDA queries the hook makes are
+  answered for one device that is not capturing.
+
+    VMPOOL_BACKEND=host python3 scripts/torch_cpu_checks.py
+
+scripts/torch_marks.py checks the same marks on the GPU, with vmpool as
+PyTorch's allocator. Exits non-zero when a check fails.
+"""
+
+import math
+import random
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import torch_workloads  # noqa: E402
+import vmpool_torch  # noqa: E402, F401  (the package, from the tree or installed)
+from vmpool import _lib  # noqa: E402
+from vmpool import torch as vmpool_torch_module  # noqa: E402
+
+ITERATIONS = 12
+
+
+def check(ok, what):
+    print(("ok    " if ok else "FAIL  ") + what, flush=True)
+    return ok
+
+
+def gan_train():
+    torch.manual_seed(0)
+    shapes, step = torch_workloads.gan_train(torch, torch.device("cpu"), random.Random(0), 3)
+    losses = [step(shape) for shape in shapes]
+    return check(all(math.isfinite(loss) for loss in losses), f"gan-train on the CPU, losses {losses}")
+
+
+def marks():
+    made = []
+    _lib.mark_step_at_next_alloc = lambda device=0: made.append(device)
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.is_current_stream_capturing = lambda: False
+    vmpool_torch_module._mark_optimizer_steps(torch)
+    nn = torch.nn
+    ok = True
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(ITERATIONS):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ok &= check(len(made) == ITERATIONS, f"one optimizer: {len(made)} marks in {ITERATIONS} iterations")
+
+    made.clear()
+    generator, discriminator = nn.Linear(8, 64), nn.Linear(64, 1)
+    opt_g = torch.optim.AdamW(generator.parameters())
+    opt_d = torch.optim.AdamW(discriminator.parameters())
+    for _ in range(ITERATIONS):
+        discriminator(generator(torch.randn(4, 8)).detach()).mean().backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        discriminator(generator(torch.randn(4, 8))).mean().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+    expected = 4 + (2 * ITERATIONS - 4) // 2
+    ok &= check(
+        len(made) == expected, f"two optimizers: {len(made)} marks in {ITERATIONS} iterations (expected {expected})"
+    )
+
+    made.clear()
+    # The largest float32 power of two, times a loss of about a thousand,
+    # overflows: skipped steps halve the scale until it fits, and growing
+    # it every other good step overflows again now and then.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=2)
+    skipped = 0
+    for _ in range(3 * ITERATIONS):
+        loss = model(torch.randn(8, 64)).square().mean() * 1e3
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < scale
+        opt.zero_grad()
+    ok &= check(
+        skipped > 0 and len(made) == 3 * ITERATIONS,
+        f"GradScaler: {len(made)} marks in {3 * ITERATIONS} iterations, {skipped} of them skipped",
+    )
+    return ok
+
+
+def main():
+    ok = gan_train()
+    ok &= marks()
+    print("all checks passed" if ok else "checks failed", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
