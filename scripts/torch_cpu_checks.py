@@ -5,8 +5,10 @@ driver (`pip install torch`); only its CUDA calls fail.
 
 - `gan-train` (scripts/torch_workloads.py) runs three steps on the CPU: its
   shapes fit and its losses are finite.
-- `install()`'s step marks (`vmpool.torch._mark_optimizer_steps`) under
-  PyTorch's own optimizer hooks and `torch.amp.GradScaler`: one mark an
+- `install()` itself: every allocator hook it passes exists in this
+  PyTorch, and PyTorch's memory statistics then answer with vmpool's.
+- `install()`'s step marks under PyTorch's own optimizer hooks and
+  `torch.amp.GradScaler`: one mark an
   iteration with one optimizer; with two, one at each of the first four
   optimizer steps, then one an iteration; with a GradScaler whose scale
   overflows, one an iteration, skipped steps included. The marks are
@@ -48,12 +50,20 @@ def gan_train():
     return check(all(math.isfinite(loss) for loss in losses), f"gan-train on the CPU, losses {losses}")
 
 
+def install():
+    vmpool_torch_module.install()
+    stats = [torch.cuda.memory_allocated(0), torch.cuda.max_memory_reserved(0)]
+    ok = check(torch.cuda.MemPool is vmpool_torch_module.MemPool, "install(): torch.cuda.MemPool is vmpool's")
+    ok &= check(stats == [0, 0], f"install(): memory_allocated, max_memory_reserved answer {stats}")
+    return ok & check("vmpool" in torch.cuda.memory_summary(0), "install(): memory_summary is vmpool's")
+
+
 def marks():
+    """After `install()`: its optimizer hook, counted."""
     made = []
     _lib.mark_step_at_next_alloc = lambda device=0: made.append(device)
     torch.cuda.device_count = lambda: 1
     torch.cuda.is_current_stream_capturing = lambda: False
-    vmpool_torch_module._mark_optimizer_steps(torch)
     nn = torch.nn
     ok = True
 
@@ -104,6 +114,7 @@ def marks():
 
 def main():
     ok = gan_train()
+    ok &= install()
     ok &= marks()
     print("all checks passed" if ok else "checks failed", flush=True)
     sys.exit(0 if ok else 1)
