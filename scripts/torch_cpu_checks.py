@@ -6,7 +6,8 @@ driver (`pip install torch`); only its CUDA calls fail.
 - `gan-train` (scripts/torch_workloads.py) runs three steps on the CPU: its
   shapes fit and its losses are finite.
 - `install()` itself: every allocator hook it passes exists in this
-  PyTorch, and PyTorch's memory statistics then answer with vmpool's.
+  PyTorch, and PyTorch's memory statistics and snapshots then answer
+  with vmpool's.
 - `install()`'s step marks under PyTorch's own optimizer hooks and
   `torch.amp.GradScaler`: one mark an
   iteration with one optimizer; with two, one at each of the first four
@@ -15,6 +16,7 @@ driver (`pip install torch`); only its CUDA calls fail.
   counted instead of made, and the two CUDA queries the hook makes are
   answered for one device that is not capturing.
 
+    cargo build --release -p vmpool-c
     VMPOOL_BACKEND=host python3 scripts/torch_cpu_checks.py
 
 scripts/torch_marks.py checks the same marks on the GPU, with vmpool as
@@ -27,13 +29,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# torch_workloads beside this file; the package from this tree.
+sys.path[:0] = [str(HERE), str(HERE.parent / "python")]
 
 import torch  # noqa: E402
 import torch_workloads  # noqa: E402
-import vmpool_torch  # noqa: E402, F401  (the package, from the tree or installed)
+import vmpool  # noqa: E402
 from vmpool import _lib  # noqa: E402
-from vmpool import torch as vmpool_torch_module  # noqa: E402
+from vmpool import torch as vmpool_torch  # noqa: E402
 
 ITERATIONS = 12
 
@@ -51,11 +54,19 @@ def gan_train():
 
 
 def install():
-    vmpool_torch_module.install()
+    vmpool_torch.install()
     stats = [torch.cuda.memory_allocated(0), torch.cuda.max_memory_reserved(0)]
-    ok = check(torch.cuda.MemPool is vmpool_torch_module.MemPool, "install(): torch.cuda.MemPool is vmpool's")
+    ok = check(torch.cuda.MemPool is vmpool_torch.MemPool, "install(): torch.cuda.MemPool is vmpool's")
     ok &= check(stats == [0, 0], f"install(): memory_allocated, max_memory_reserved answer {stats}")
-    return ok & check("vmpool" in torch.cuda.memory_summary(0), "install(): memory_summary is vmpool's")
+    ok &= check("vmpool" in torch.cuda.memory_summary(0), "install(): memory_summary is vmpool's")
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    vmpool.free(vmpool.alloc(1 << 20))
+    traces = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    actions = sorted({t["action"] for t in traces})
+    return ok & check(
+        {"alloc", "free_completed"} <= set(actions), f"install(): a snapshot's history is vmpool's: {actions}"
+    )
 
 
 def marks():
