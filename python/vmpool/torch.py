@@ -123,8 +123,7 @@ def install(mark_steps: bool | None = None) -> Any:
     docs/DESIGN.md). With several optimizers (a GAN's two), only the last
     step of each iteration does, once their order has repeated twice. A
     step a `torch.amp.GradScaler` skips (overflowed gradients) counts as
-    taken. A
-    loop with no optimizer (a server, a generation loop) calls
+    taken. A loop with no optimizer (a server, a generation loop) calls
     `mark_step()` itself.
 
     It also hooks `Tensor.record_stream`, and the private pools of CUDA
