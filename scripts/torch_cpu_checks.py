@@ -9,18 +9,20 @@ driver (`pip install torch`); only its CUDA calls fail.
   PyTorch, and PyTorch's memory statistics and snapshots then answer
   with vmpool's.
 - `install()`'s step marks under PyTorch's own optimizer hooks and
-  `torch.amp.GradScaler`: one mark an
-  iteration with one optimizer; with two, one at each of the first four
-  optimizer steps, then one an iteration; with a GradScaler whose scale
-  overflows, one an iteration, skipped steps included. The marks are
-  counted instead of made, and the two CUDA queries the hook makes are
-  answered for one device that is not capturing.
+  `torch.amp.GradScaler`, over the loops scripts/torch_marks.py runs on
+  the GPU, here on the CPU: one mark an iteration with one optimizer; with
+  two, one at each of the first four optimizer steps, then one an
+  iteration; with a GradScaler whose scale overflows, one an iteration,
+  skipped steps included. The marks are counted instead of made, and the
+  two CUDA queries the hook makes are answered for one device that is not
+  capturing.
 
     cargo build --release -p vmpool-c
     VMPOOL_BACKEND=host python3 scripts/torch_cpu_checks.py
 
 scripts/torch_marks.py checks the same marks on the GPU, with vmpool as
-PyTorch's allocator. Exits non-zero when a check fails.
+PyTorch's allocator and the pool's own counts. Exits non-zero when a check
+fails.
 """
 
 import math
@@ -33,12 +35,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "python")]
 
 import torch  # noqa: E402
+import torch_marks  # noqa: E402
 import torch_workloads  # noqa: E402
 import vmpool  # noqa: E402
 from vmpool import _lib  # noqa: E402
 from vmpool import torch as vmpool_torch  # noqa: E402
-
-ITERATIONS = 12
 
 
 def check(ok, what):
@@ -70,56 +71,20 @@ def install():
 
 
 def marks():
-    """After `install()`: its optimizer hook, counted."""
+    """After `install()`: its optimizer hook, counted, over the loops of
+    scripts/torch_marks.py run on the CPU. A pool counts a step at each
+    mark but the last, which waits for an allocation: one mark more than
+    torch_marks.py's expected steps."""
     made = []
     _lib.mark_step_at_next_alloc = lambda device=0: made.append(device)
     torch.cuda.device_count = lambda: 1
     torch.cuda.is_current_stream_capturing = lambda: False
-    nn = torch.nn
     ok = True
-
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(ITERATIONS):
-        model(torch.randn(8, 64)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    ok &= check(len(made) == ITERATIONS, f"one optimizer: {len(made)} marks in {ITERATIONS} iterations")
-
-    made.clear()
-    generator, discriminator = nn.Linear(8, 64), nn.Linear(64, 1)
-    opt_g = torch.optim.AdamW(generator.parameters())
-    opt_d = torch.optim.AdamW(discriminator.parameters())
-    for _ in range(ITERATIONS):
-        discriminator(generator(torch.randn(4, 8)).detach()).mean().backward()
-        opt_d.step()
-        opt_d.zero_grad()
-        discriminator(generator(torch.randn(4, 8))).mean().backward()
-        opt_g.step()
-        opt_g.zero_grad()
-    expected = 4 + (2 * ITERATIONS - 4) // 2
-    ok &= check(
-        len(made) == expected, f"two optimizers: {len(made)} marks in {ITERATIONS} iterations (expected {expected})"
-    )
-
-    made.clear()
-    # The largest float32 power of two, times a loss of about a thousand,
-    # overflows: skipped steps halve the scale until it fits, and growing
-    # it every other good step overflows again now and then.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=2)
-    skipped = 0
-    for _ in range(3 * ITERATIONS):
-        loss = model(torch.randn(8, 64)).square().mean() * 1e3
-        scaler.scale(loss).backward()
-        scale = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped += scaler.get_scale() < scale
-        opt.zero_grad()
-    ok &= check(
-        skipped > 0 and len(made) == 3 * ITERATIONS,
-        f"GradScaler: {len(made)} marks in {3 * ITERATIONS} iterations, {skipped} of them skipped",
-    )
+    for case, steps in torch_marks.EXPECTED_STEPS.items():
+        made.clear()
+        skipped = torch_marks.train(torch, case, "cpu")
+        what = f"{case}: {len(made)} marks in {torch_marks.ITERATIONS} iterations, {skipped} skipped by the scaler"
+        ok &= check(len(made) == steps + 1 and (case != "grad-scaler" or skipped > 0), what)
     return ok
 
 

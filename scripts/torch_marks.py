@@ -43,33 +43,33 @@ CASES = list(EXPECTED_STEPS)
 BATCH, WIDTH = 256, 1024
 
 
-def mlp(nn, width_in, width_out):
-    return nn.Sequential(nn.Linear(width_in, WIDTH), nn.ReLU(), nn.Linear(WIDTH, width_out)).cuda()
+def mlp(nn, width_in, width_out, device):
+    return nn.Sequential(nn.Linear(width_in, WIDTH), nn.ReLU(), nn.Linear(WIDTH, width_out)).to(device)
 
 
-def child(case):
-    torch = torch_for("vmpool")
-    import vmpool_torch
-
+def train(torch, case, device, iterations=ITERATIONS):
+    """Runs `case`'s loop on `device`; returns how many of its steps the
+    GradScaler skipped (0 but for grad-scaler). scripts/torch_cpu_checks.py
+    runs it on the CPU too."""
     nn, F = torch.nn, torch.nn.functional
     torch.manual_seed(0)
     skipped = 0
     if case == "one-optimizer":
-        model = mlp(nn, WIDTH, WIDTH)
+        model = mlp(nn, WIDTH, WIDTH, device)
         opt = torch.optim.AdamW(model.parameters())
-        for _ in range(ITERATIONS):
-            x = torch.randn(BATCH, WIDTH, device="cuda")
+        for _ in range(iterations):
+            x = torch.randn(BATCH, WIDTH, device=device)
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     elif case == "two-optimizers":
-        generator, discriminator = mlp(nn, 64, WIDTH), mlp(nn, WIDTH, 1)
+        generator, discriminator = mlp(nn, 64, WIDTH, device), mlp(nn, WIDTH, 1, device)
         opt_g = torch.optim.AdamW(generator.parameters())
         opt_d = torch.optim.AdamW(discriminator.parameters())
-        ones = torch.ones(BATCH, 1, device="cuda")
-        for _ in range(ITERATIONS):
-            real = torch.randn(BATCH, WIDTH, device="cuda")
-            fake = generator(torch.randn(BATCH, 64, device="cuda"))
+        ones = torch.ones(BATCH, 1, device=device)
+        for _ in range(iterations):
+            real = torch.randn(BATCH, WIDTH, device=device)
+            fake = generator(torch.randn(BATCH, 64, device=device))
             loss_d = F.binary_cross_entropy_with_logits(discriminator(real), ones) + (
                 F.binary_cross_entropy_with_logits(discriminator(fake.detach()), 1 - ones)
             )
@@ -80,15 +80,15 @@ def child(case):
             opt_g.step()
             opt_g.zero_grad(set_to_none=True)
     else:
-        model = mlp(nn, WIDTH, WIDTH)
+        model = mlp(nn, WIDTH, WIDTH, device)
         opt = torch.optim.AdamW(model.parameters())
         # 2^40 overflows fp16 gradients: the first steps are skipped, each
         # halving it, until they fit; doubling it every 4 good steps
         # overflows again now and then.
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40, growth_interval=4)
-        for _ in range(ITERATIONS):
-            x = torch.randn(BATCH, WIDTH, device="cuda")
-            with torch.autocast("cuda", dtype=torch.float16):
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**40, growth_interval=4)
+        for _ in range(iterations):
+            x = torch.randn(BATCH, WIDTH, device=device)
+            with torch.autocast(device, dtype=torch.float16):
                 loss = model(x).square().mean()
             scaler.scale(loss).backward()
             scale = scaler.get_scale()
@@ -96,6 +96,14 @@ def child(case):
             scaler.update()
             skipped += scaler.get_scale() < scale
             opt.zero_grad(set_to_none=True)
+    return skipped
+
+
+def child(case):
+    torch = torch_for("vmpool")
+    import vmpool_torch
+
+    skipped = train(torch, case, "cuda")
     torch.cuda.synchronize()
     stats = vmpool_torch.stats()
     report(
