@@ -593,12 +593,18 @@ impl<R> Steps<R> {
     }
 
     /// Slots for the allocations of `events` freed within the step, sized
-    /// `sizes`, and the region's length; `None` if the region would be
-    /// more than [`SLACK_HUNDREDTHS`] of the largest peak a step has
-    /// needed (checked on the sizes' own peak first, which no layout is
-    /// below, so that steps of shapes that vary apart cost no layout).
+    /// `sizes`, and the region's length; `None` if there are none, or if
+    /// the region would be more than [`SLACK_HUNDREDTHS`] of the largest
+    /// peak a step has needed (checked on the sizes' own peak first, which
+    /// no layout is below, so that steps of shapes that vary apart cost no
+    /// layout).
     fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> Option<(Vec<Option<Slot>>, u64)> {
         let (lifetimes, ordinals) = lifetimes(events, sizes, self.align);
+        if lifetimes.is_empty() {
+            // Nothing freed within the step: no slot, and a region of no
+            // bytes, which the heap cannot hold.
+            return None;
+        }
         let limit = self.largest_peak * SLACK_HUNDREDTHS / 100;
         if peak(&lifetimes) > limit {
             return None;

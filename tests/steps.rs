@@ -453,6 +453,35 @@ pub fn steps_that_never_repeat_give_their_region_back<B: TestBackend>(b: &Arc<B>
     finish(&ctx, &pool, &s);
 }
 
+pub fn steps_that_free_nothing_within_are_not_laid_out<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    pool.mark_step().unwrap();
+    // Each step's allocations are freed in the next one (outputs kept
+    // until the step after): the steps repeat, but nothing in them would
+    // take a slot, and a layout of nothing would ask for a region of no
+    // bytes.
+    let mut kept: Vec<Allocation> = Vec::new();
+    for _ in 0..6 {
+        let made: Vec<Allocation> = (1..=3)
+            .map(|i| pool.allocate_async(i * MIB, &s).unwrap())
+            .collect();
+        pool.mark_step().unwrap();
+        for a in std::mem::replace(&mut kept, made) {
+            pool.free_async(a, &s).unwrap();
+        }
+    }
+    let counters = pool.step_counters();
+    assert_eq!(
+        (counters.layouts, counters.region_bytes),
+        (0, 0),
+        "{counters:?}"
+    );
+    for a in kept {
+        pool.free_async(a, &s).unwrap();
+    }
+    finish(&ctx, &pool, &s);
+}
+
 pub fn a_step_that_goes_another_way_gives_its_region_back<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
@@ -696,6 +725,7 @@ suites!(
     layouts_that_do_not_last_wait_for_longer_runs,
     what_outlives_its_step_stays_intact,
     steps_that_never_repeat_give_their_region_back,
+    steps_that_free_nothing_within_are_not_laid_out,
     a_step_that_goes_another_way_gives_its_region_back,
     a_trim_gives_an_idle_layout_back,
     a_quiet_stream_hands_the_layout_on,
