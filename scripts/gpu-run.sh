@@ -20,6 +20,9 @@
 # RECORD_STEPS steps (default 24) of each workload in RECORD (default the
 # five added for issue 23; empty: none) records its allocation trace to
 # $OUT/traces, gzipped. docs/GPU.md says how long each workload takes.
+# long and calls time the steps with vmpool's own call timing off (it
+# costs two clock reads a call, counted against vmpool); CALL_TIMING=1
+# turns it on, to see vmpool's share of a step.
 #
 # calls: the calls probe over the bundled traces named in CALLS_TRACES
 # (comma-separated names without .trace.gz; default all), the ALLOCATORS
@@ -119,6 +122,8 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
+call_timing=--no-call-timing
+[ "${CALL_TIMING:-0}" = 1 ] && call_timing=
 jobs=${*:-tests examples bench replay}
 for job in $jobs; do
     # The parts of the bundle each job needs (scripts/gpu-build.sh says
@@ -187,7 +192,7 @@ for job in $jobs; do
         # half a second a step.
         run "pytorch long runs" python3 "$here/torch/pytorch_compare.py" --workloads "${WORKLOADS:-models}" \
             --allocators "${ALLOCATORS:-native,vmpool,vmpool-steps}" --repeats "${REPEATS:-3}" --steps "$steps" \
-            --timeout $((120 + 2 * steps)) \
+            --timeout $((120 + 2 * steps)) ${call_timing:+"$call_timing"} \
             --json "$outdir/long.json"
         record=${RECORD-gqa-decoder-train,vit-train,unet-train,moe-train,serve-loop}
         if [ -n "$record" ]; then
@@ -206,7 +211,7 @@ for job in $jobs; do
         traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$here/traces/&.trace.gz|" | paste -sd, -)
         run "pytorch calls probe" python3 "$here/torch/pytorch_compare.py" --workloads calls-probe \
             --calls-trace "$traces" --allocators "${ALLOCATORS:-native,vmpool,vmpool-steps}" --repeats "${REPEATS:-3}" \
-            --steps "${CALLS_STEPS:-12}" --json "$outdir/calls.json"
+            --steps "${CALLS_STEPS:-12}" ${call_timing:+"$call_timing"} --json "$outdir/calls.json"
         ;;
     record-stream)
         run "pytorch record_stream" python3 "$here/torch/torch_record_stream.py"
