@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import signal
 from collections import defaultdict
 
 # The key lengths tried.
@@ -86,4 +87,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Piped into `head`, end quietly when the reader goes, as a shell tool does.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()
