@@ -74,6 +74,8 @@ cp target/release/examples/c_calls "$bundle/bin/c_calls"
 # installs into a fresh environment there.
 cargo build --release -p vmpool-c
 cp target/release/libvmpool_c.so scripts/vmpool_torch.py scripts/pytorch_compare.py scripts/torch_record_stream.py scripts/torch_graphs.py scripts/torch_limits.py scripts/torch_stats.py scripts/torch_marks.py scripts/torch_cases.py scripts/torch_workloads.py scripts/torch_wheel_check.py scripts/torch_sleep.py scripts/torch_mempool.py scripts/torch_ddp.py scripts/nccl_bandwidth.py "$bundle/torch/"
+# The calls probe's floor (pytorch_compare.py's `floor` allocator).
+cc -O2 -Wall -Wextra -Werror -shared -fPIC -o "$bundle/torch/libpluggable_floor.so" scripts/pluggable_floor.c -ldl
 mkdir -p "$bundle/torch/vmpool"
 cp python/vmpool/*.py python/vmpool/py.typed "$bundle/torch/vmpool/"
 python3 -m pip wheel --quiet --no-deps . -w "$bundle/torch"

@@ -15,6 +15,10 @@ Runs each workload in a process of its own under each allocator:
     vmpool-steps      vmpool, a step marked after each step of the loop
                       (not at optimizer steps), generation's too
     vmpool-steps/N    the same with VMPOOL_CHUNK_DIVISOR=N
+    floor             the calls probe only: libpluggable_floor.so (beside this
+                      script; scripts/pluggable_floor.c), the least a pluggable
+                      allocator can cost, to tell what PyTorch's
+                      CUDAPluggableAllocator costs from what vmpool's calls do
     vmpool=PATH       the same with the library at PATH (VMPOOL_LIB), to
                       compare two builds in one run (scripts/gpu-build.sh
                       bundles an older one with BASE_REV=REV)
@@ -88,6 +92,9 @@ ALLOCATORS = {
 }
 WARMUP = 3
 MIB = 1 << 20
+HERE = Path(__file__).resolve().parent
+# The floor allocator's library (scripts/pluggable_floor.c), beside this script.
+FLOOR_LIB = "libpluggable_floor.so"
 
 
 # ---- a run (the child) --------------------------------------------------------
@@ -100,6 +107,15 @@ def child(args):
 
         vmpool.install()
     import torch
+
+    # A pluggable allocator keeps none of PyTorch's memory statistics.
+    floor = args.allocator == "floor"
+    if floor:
+        lib = HERE / FLOOR_LIB
+        if not lib.is_file():
+            raise SystemExit(f"floor: no {lib} (build it: see scripts/pluggable_floor.c)")
+        torch.cuda.memory.change_current_allocator(
+            torch.cuda.memory.CUDAPluggableAllocator(str(lib), "floor_malloc", "floor_free"))
 
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
@@ -164,6 +180,8 @@ def child(args):
                 quiet["steps"] += 1
                 for k in CALL_COUNTERS:
                     quiet[k] += after[k] - before[k]
+        elif floor:
+            step_footprint.append(math.nan)
         else:
             memory = torch.cuda.memory_stats()
             peak = memory.get("allocated_bytes.all.peak", 0)
@@ -183,7 +201,7 @@ def child(args):
     free, _ = torch.cuda.mem_get_info()
     after_empty_cache = {
         "reserved_after_empty_cache": vmpool.stats()["reserved_bytes"] if vmpool is not None
-        else torch.cuda.memory_reserved(),
+        else 0 if floor else torch.cuda.memory_reserved(),
         "device_after_empty_cache": total - free - baseline,
     }
     if vmpool is not None:
@@ -194,6 +212,9 @@ def child(args):
                                    "step_layouts", "planned", "missed", "step_region_bytes")}
         # vmpool's count of marks, apart from the run's "steps" below.
         extra["step_marks"] = s["steps"]
+    elif floor:
+        reserved = allocated = 0
+        extra = {}
     else:
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         extra = {}
@@ -350,9 +371,9 @@ def check_allocator(allocator):
         n = allocator.split("/", 1)[1]
         if n != "off" and (not n.isdigit() or int(n) < 1):
             raise SystemExit(f"{allocator!r}: /N takes a whole number, at least 1, or off")
-    elif allocator not in ALLOCATORS and not allocator.startswith("vmpool@"):
+    elif allocator not in ALLOCATORS and allocator != "floor" and not allocator.startswith("vmpool@"):
         raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
-                         "vmpool/N, vmpool-steps/N or vmpool=PATH")
+                         "vmpool/N, vmpool-steps/N, vmpool=PATH or floor")
 
 
 def trace_name(path):
@@ -601,6 +622,8 @@ def main():
     for workload in workloads:
         if workload not in BUILD:
             raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(BUILD)}, or models")
+    if "floor" in allocators and any(w != "calls-probe" for w in workloads):
+        raise SystemExit("floor: the calls probe only (it never gives memory back, nor orders streams)")
     traces = args.calls_trace.split(",") if args.calls_trace else [None]
     for trace in traces:
         if trace is not None and not Path(trace).is_file():
