@@ -3,7 +3,7 @@
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
 //!                   [--defragment off|units|whole-regions]
-//!                   [--passes N] [--mark-passes] [--json] TRACE
+//!                   [--passes N] [--mark-passes] [--hold BYTES] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -18,7 +18,12 @@
 //! repeats its work: it shows whether the footprint stays where the first
 //! pass left it. `--mark-passes` marks a step as each pass begins
 //! (`Pool::mark_step`), as a program that marks its steps would: from the
-//! third pass on, the pool serves the trace from a step layout.
+//! third pass on, the pool serves the trace from a step layout. `--hold
+//! BYTES` keeps one allocation of that size live from before the first
+//! pass to after the last, as a program that keeps something (a dataset,
+//! a cache) while its models come and go: the pool is then never empty
+//! between passes, and does not start afresh there (Note [Starting
+//! afresh]).
 
 use std::fs::File;
 use std::io::IsTerminal;
@@ -133,6 +138,11 @@ struct Args {
     /// that the pool lays out the repeated pass (Note [Step layouts]).
     #[arg(long)]
     mark_passes: bool,
+    /// Keep one allocation of this size live across every pass (allocated
+    /// before the first, freed after the last), with a unit or in bytes:
+    /// 2MiB, 1G. It counts in the peak live bytes.
+    #[arg(long, value_name = "BYTES")]
+    hold: Option<Bytes>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -228,6 +238,16 @@ enum Marks {
     EachPass,
 }
 
+/// How a trace is replayed: how many times, where steps are marked, and
+/// what is kept live throughout.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    passes: usize,
+    marks: Marks,
+    /// Bytes of the allocation held across every pass (`--hold`); 0: none.
+    hold: u64,
+}
+
 /// What a replay measured, pass by pass.
 struct Passes {
     nanos: u128,
@@ -239,9 +259,14 @@ struct Passes {
     step_maps: Vec<u64>,
 }
 
-/// Replays `trace` `passes` times on `a`, freeing what is left live after
-/// each pass.
-fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize, marks: Marks) -> Result<Passes> {
+/// Replays `trace` on `a` as `schedule` says, freeing what is left live
+/// after each pass.
+fn replay<A: Replayed>(a: &mut A, trace: &Trace, schedule: &Schedule) -> Result<Passes> {
+    let Schedule {
+        passes,
+        marks,
+        hold,
+    } = *schedule;
     let bar = progress(trace.ops.len() * passes);
     let mut measured = Passes {
         nanos: 0,
@@ -259,6 +284,7 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize, marks: Marks) ->
         }
         Ok(())
     };
+    let held = (hold > 0).then(|| a.alloc(hold)).transpose()?;
     for pass in 0..passes {
         if marks == Marks::EachPass {
             mark(a, &mut measured.step_maps)?;
@@ -295,6 +321,9 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, passes: usize, marks: Marks) ->
         }
         measured.peaks.push(a.reserved_high()?);
         measured.maps.push(a.maps() - maps_before);
+    }
+    if let Some(held) = held {
+        a.free(held)?;
     }
     bar.finish_and_clear();
     Ok(measured)
@@ -342,8 +371,7 @@ fn replay_vmpool<B: Backend>(
     trace: &Trace,
     props: &PoolProps,
     stream_ordered: bool,
-    passes: usize,
-    marks: Marks,
+    schedule: &Schedule,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
     let pool = ctx.create_pool(props)?;
@@ -353,7 +381,7 @@ fn replay_vmpool<B: Backend>(
         pool,
         stream: stream_ordered.then(|| stream.clone()),
     };
-    let measured = replay(&mut replayed, trace, passes, marks)?;
+    let measured = replay(&mut replayed, trace, schedule)?;
     let pool = replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
@@ -362,7 +390,7 @@ fn replay_vmpool<B: Backend>(
         pass_peaks: measured.peaks,
         pass_maps: measured.maps,
         step_maps: measured.step_maps,
-        ops: (trace.ops.len() * passes) as u64,
+        ops: (trace.ops.len() * schedule.passes) as u64,
         nanos: measured.nanos,
         remaps: stats.remaps,
         bytes_remapped: stats.bytes_remapped,
@@ -396,18 +424,22 @@ impl Replayed for CudaAsyncReplay {
 }
 
 /// Replays on CUDA's stream-ordered pool, release threshold max, one stream.
-fn replay_cuda_async(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
+fn replay_cuda_async(
+    cuda: &Arc<vmm::cuda::Cuda>,
+    trace: &Trace,
+    schedule: &Schedule,
+) -> Result<Report> {
     let mut replayed = CudaAsyncReplay {
         pool: vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?,
         stream: cuda.create_stream(DeviceId(0))?,
     };
-    let measured = replay(&mut replayed, trace, passes, Marks::Trace)?;
+    let measured = replay(&mut replayed, trace, schedule)?;
     cuda.synchronize_stream(&replayed.stream)?;
     Ok(Report {
         peak_reserved: replayed.pool.reserved_high()?,
         pass_peaks: measured.peaks,
         pass_maps: measured.maps,
-        ops: (trace.ops.len() * passes) as u64,
+        ops: (trace.ops.len() * schedule.passes) as u64,
         nanos: measured.nanos,
         ..Report::default()
     })
@@ -448,7 +480,11 @@ impl Replayed for CudaMallocReplay {
 }
 
 /// Replays on plain cuMemAlloc / cuMemFree.
-fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize) -> Result<Report> {
+fn replay_cuda_malloc(
+    cuda: &Arc<vmm::cuda::Cuda>,
+    trace: &Trace,
+    schedule: &Schedule,
+) -> Result<Report> {
     let mut replayed = CudaMallocReplay {
         malloc: vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?,
         cuda: Arc::clone(cuda),
@@ -457,12 +493,12 @@ fn replay_cuda_malloc(cuda: &Arc<vmm::cuda::Cuda>, trace: &Trace, passes: usize)
     };
     replayed.baseline = replayed.used()?;
     replayed.peak = replayed.baseline;
-    let measured = replay(&mut replayed, trace, passes, Marks::Trace)?;
+    let measured = replay(&mut replayed, trace, schedule)?;
     Ok(Report {
         peak_reserved: replayed.reserved_high()?,
         pass_peaks: measured.peaks,
         pass_maps: measured.maps,
-        ops: (trace.ops.len() * passes) as u64,
+        ops: (trace.ops.len() * schedule.passes) as u64,
         nanos: measured.nanos,
         ..Report::default()
     })
@@ -494,12 +530,18 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.mark_passes && args.allocator != AllocatorKind::Vmpool {
         bail!("--mark-passes is for vmpool");
     }
-    let passes = args.passes as usize;
-    let marks = if args.mark_passes {
-        Marks::EachPass
-    } else {
-        Marks::Trace
+    let schedule = Schedule {
+        passes: args.passes as usize,
+        marks: if args.mark_passes {
+            Marks::EachPass
+        } else {
+            Marks::Trace
+        },
+        hold: args.hold.map_or(0, |b| b.0),
     };
+    // What the replay holds at its peak: the trace's peak, and the held
+    // allocation.
+    let peak_live = trace.peak_live + schedule.hold;
     let props = PoolProps {
         chunk_size: args.chunk_size.map(|b| b.0),
         chunk_divisor: args.chunk_divisor.0,
@@ -517,7 +559,7 @@ fn replay_main(args: &Args) -> Result<()> {
         (None, AllocatorKind::Vmpool) => {
             // A device large enough for the trace: four times its peak.
             let config = vmm::host::HostConfig {
-                memory_per_device: (4 * trace.peak_live as usize)
+                memory_per_device: (4 * peak_live as usize)
                     .next_multiple_of(2 << 20)
                     .max(1 << 30),
                 ..vmm::host::HostConfig::default()
@@ -527,22 +569,21 @@ fn replay_main(args: &Args) -> Result<()> {
                 &trace,
                 &props,
                 args.stream_ordered,
-                passes,
-                marks,
+                &schedule,
             )?
         }
         (Some(cuda), AllocatorKind::Vmpool) => {
-            replay_vmpool(cuda, &trace, &props, args.stream_ordered, passes, marks)?
+            replay_vmpool(cuda, &trace, &props, args.stream_ordered, &schedule)?
         }
-        (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, passes)?,
-        (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, passes)?,
+        (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, &schedule)?,
+        (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, &schedule)?,
         (None, _) => bail!("the CUDA allocators need a GPU, and none could be opened"),
     };
-    let ratio = report.peak_reserved as f64 / trace.peak_live as f64;
+    let ratio = report.peak_reserved as f64 / peak_live as f64;
     let pass_ratios: Vec<f64> = report
         .pass_peaks
         .iter()
-        .map(|&p| p as f64 / trace.peak_live as f64)
+        .map(|&p| p as f64 / peak_live as f64)
         .collect();
     let ns_per_op = report.nanos as f64 / report.ops as f64;
     let mut allocator = args
@@ -566,10 +607,11 @@ fn replay_main(args: &Args) -> Result<()> {
                 "trace": args.trace.display().to_string(),
                 "backend": backend,
                 "allocator": allocator,
-                "peak_live_bytes": trace.peak_live,
+                "peak_live_bytes": peak_live,
                 "peak_reserved_bytes": report.peak_reserved,
                 "ratio": ratio,
-                "passes": passes,
+                "passes": schedule.passes,
+                "held_bytes": schedule.hold,
                 "pass_ratios": pass_ratios,
                 "pass_maps": report.pass_maps,
                 "step_maps": report.step_maps,
@@ -594,10 +636,10 @@ fn replay_main(args: &Args) -> Result<()> {
     } else {
         println!("trace           {}", args.trace.display());
         println!("allocator       {allocator} on the {backend} backend");
-        println!("peak live       {:>14} bytes", trace.peak_live);
+        println!("peak live       {:>14} bytes", peak_live);
         println!("peak reserved   {:>14} bytes", report.peak_reserved);
         println!("ratio           {ratio:>14.4}");
-        if passes > 1 {
+        if schedule.passes > 1 {
             let each: Vec<String> = pass_ratios.iter().map(|r| format!("{r:.4}")).collect();
             println!("after each pass {:>14}", each.join(" "));
             if report.pass_maps.iter().any(|&m| m > 0) {
