@@ -556,6 +556,19 @@ impl<B: Backend> Growth<'_, B> {
         }
     }
 
+    /// Unmaps every unit with no live byte (none under guards), keeping
+    /// its chunk spare: growth then maps it again where it lays out new
+    /// space (Note [Starting afresh] in docs/DESIGN.md).
+    pub(crate) fn unmap_free_units(&mut self) -> Result<()> {
+        let units = self.free_units(None, Defragment::Units);
+        let count = units.len();
+        for m in self.unmap_units(units)? {
+            self.space.keep_spare(m.chunk);
+        }
+        tracing::debug!(pool = self.pool, units = count, "started afresh");
+        Ok(())
+    }
+
     /// Releases unused chunks (spares and free units, largest first) until
     /// the pool holds at most `keep` bytes, or nothing more can go.
     pub(crate) fn trim_to(&mut self, keep: u64) -> Result<()> {

@@ -245,6 +245,59 @@ pub fn growth_moves_whole_free_blocks_first<B: TestBackend>(b: &Arc<B>) {
     }
 }
 
+/// A pool the program has emptied, after growth moved units, lays out what
+/// comes next as it did from empty (Note [Starting afresh]): its free
+/// units go spare, and the next allocation lands where the first one did,
+/// on the memory the pool holds. While anything stays live, and after a
+/// fresh start with no move since, nothing is unmapped.
+pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(4 << 30),
+            chunk_size: Some(g),
+            chunk_divisor: None,
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    // [x | y | z], a granule each; with x and z freed, two granules in one
+    // piece come from moving their units.
+    let x = pool.allocate(g).unwrap();
+    let first = x.ptr();
+    let y = pool.allocate(g).unwrap();
+    let z = pool.allocate(g).unwrap();
+    pool.free(x).unwrap();
+    pool.free(z).unwrap();
+    let v = pool.allocate(2 * g).unwrap();
+    assert!(pool.stats().remaps > 0, "the case needs a move");
+    pool.free(v).unwrap();
+    // y is live: no fresh start.
+    let unmaps = pool.stats().unmaps;
+    let w = pool.allocate(g).unwrap();
+    assert_eq!(pool.stats().unmaps, unmaps);
+    pool.free(w).unwrap();
+    pool.free(y).unwrap();
+    // Empty: the free units go spare, and growth maps one at the start.
+    let before = pool.stats();
+    let mapped = pool.snapshot().units.len() as u64;
+    let fresh = pool.allocate(g).unwrap();
+    let after = pool.stats();
+    assert_eq!(fresh.ptr(), first);
+    assert_eq!(after.unmaps - before.unmaps, mapped);
+    assert_eq!(after.chunks_created, before.chunks_created);
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+    assert_eq!(pool.snapshot().units.len(), 1);
+    pool.audit().unwrap();
+    // Emptied again with no move since: the layout stays.
+    pool.free(fresh).unwrap();
+    let unmaps = pool.stats().unmaps;
+    let again = pool.allocate(g).unwrap();
+    assert_eq!(pool.stats().unmaps, unmaps);
+    assert_eq!(again.ptr(), first);
+    pool.free(again).unwrap();
+}
+
 pub fn small_allocations_are_packed<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
@@ -567,6 +620,7 @@ suites!(
     invalid_requests,
     growth_chunks_scale_with_the_pool,
     growth_moves_whole_free_blocks_first,
+    an_emptied_pool_starts_afresh,
     small_allocations_are_packed,
     checkerboard_is_served_by_remapping,
     trim_returns_every_chunk,

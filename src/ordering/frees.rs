@@ -45,6 +45,10 @@ pub(crate) struct PoolFrees {
     /// does not take the pool's lock, so the pool settles them when it
     /// next counts an allocation (Note [Usage credit] in docs/DESIGN.md).
     pub(crate) credit: u64,
+    /// The most `credit` has been since the pool last settled it: the most
+    /// bytes this stream had freed, net of its hot-path reuses, at any one
+    /// moment in between (Note [Starting afresh] in docs/DESIGN.md).
+    pub(crate) credit_high: u64,
     /// Hot-path counts, summed into the pool's statistics.
     pub(crate) frees: u64,
     pub(crate) reuses: u64,
@@ -57,6 +61,7 @@ impl PoolFrees {
         self.last_free = p.seq;
         self.bytes += p.size;
         self.credit += p.size;
+        self.credit_high = self.credit_high.max(self.credit);
         self.frees += 1;
         if let Some(older) = self.latest.replace(p) {
             self.older.push(older);
@@ -249,6 +254,20 @@ mod tests {
         f.credit = 0;
         assert!(f.reuse(256).is_none());
         assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(1));
+    }
+
+    #[test]
+    fn the_credit_keeps_its_high_until_settled() {
+        // Frees of 256 and 512, a reuse of 512, a free of 128: the stream
+        // had freed 768 bytes net at most, though 384 now.
+        let mut f = frees(&[(256, 1), (512, 2)]);
+        let reused = f.reuse(512).expect("pending");
+        f.push(Pending {
+            size: 128,
+            seq: 3,
+            ..reused
+        });
+        assert_eq!((f.credit, f.credit_high), (384, 768));
     }
 
     #[test]

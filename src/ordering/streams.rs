@@ -151,11 +151,29 @@ impl<B: Backend> Streams<B> {
             .values()
             .filter_map(|reg| {
                 let mut st = reg.stream.state();
-                st.pending
-                    .get_mut(&pool)
-                    .map(|f| std::mem::take(&mut f.credit))
+                st.pending.get_mut(&pool).map(|f| {
+                    f.credit_high = 0;
+                    std::mem::take(&mut f.credit)
+                })
             })
             .sum()
+    }
+
+    /// The most bytes one stream has freed, net, at any moment since the
+    /// pool last settled: `None` when more than one stream freed on the hot
+    /// path since then (their highs need not have come at once).
+    pub(crate) fn credit_high(&self) -> Option<u64> {
+        let mut highs = self.registered.values().filter_map(|reg| {
+            let high = reg
+                .stream
+                .state()
+                .pending
+                .get(&self.pool)
+                .map_or(0, |f| f.credit_high);
+            (high > 0).then_some(high)
+        });
+        let first = highs.next().unwrap_or(0);
+        highs.next().is_none().then_some(first)
     }
 
     pub(crate) fn totals(&self) -> PendingTotals {

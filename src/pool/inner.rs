@@ -106,6 +106,8 @@ pub(super) struct Inner<B: Backend> {
     pub(super) guards: Guards,
     pub(super) usage: Usage,
     pub(super) release_threshold: u64,
+    /// Growth's count of moved units when the pool last started afresh.
+    remaps_at_fresh: u64,
     pub(super) defragment: Defragment,
     /// The pool's id, for the logs.
     pool: u64,
@@ -145,6 +147,7 @@ impl<B: Backend> Inner<B> {
                 ..Usage::default()
             },
             release_threshold: 0,
+            remaps_at_fresh: 0,
             defragment,
             pool,
             calls: CallCounters::default(),
@@ -237,6 +240,9 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
+        if self.slumber.is_none() && self.emptied() {
+            self.start_afresh(stream)?;
+        }
         let found = self.with_request(size, stream, |inner, request| {
             match inner.serve_from_free(request)? {
                 Some(found) => Ok(found),
@@ -245,6 +251,35 @@ impl<B: Backend> Inner<B> {
         });
         self.calls.allocations += u64::from(found.is_ok());
         found
+    }
+
+    /// Whether the program held no byte of the pool at some moment since
+    /// the pool last counted, with growth having moved units since the
+    /// pool last started afresh (Note [Starting afresh]).
+    fn emptied(&self) -> bool {
+        if self.growth.remaps == self.remaps_at_fresh {
+            return false;
+        }
+        let held = self.usage.used - self.usage.idle;
+        self.streams
+            .credit_high()
+            .is_some_and(|freed| freed >= held)
+    }
+
+    /// Unmaps every unit with no live byte, keeping its chunk spare, so
+    /// that growth lays the pool out again as it did from empty (Note
+    /// [Starting afresh]). The frees still pending go back first, waited
+    /// for; during a graph capture, where nothing can be waited for, the
+    /// pool stays as it is.
+    fn start_afresh(&mut self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+        if let Some(s) = stream {
+            self.merge_own_frees(s, 0)?;
+        }
+        if !self.wait_for_pending_frees() {
+            return Ok(());
+        }
+        self.remaps_at_fresh = self.growth.remaps;
+        self.growth().unmap_free_units()
     }
 
     /// [`Inner::allocate`] from the memory the pool holds free, without
