@@ -159,21 +159,14 @@ impl<B: Backend> Streams<B> {
             .sum()
     }
 
-    /// The most bytes one stream has freed, net, at any moment since the
-    /// pool last settled: `None` when more than one stream freed on the hot
-    /// path since then (their highs need not have come at once).
-    pub(crate) fn credit_high(&self) -> Option<u64> {
-        let mut highs = self.registered.values().filter_map(|reg| {
-            let high = reg
-                .stream
-                .state()
-                .pending
-                .get(&self.pool)
-                .map_or(0, |f| f.credit_high);
-            (high > 0).then_some(high)
-        });
-        let first = highs.next().unwrap_or(0);
-        highs.next().is_none().then_some(first)
+    /// The most bytes `stream` has freed in this pool, net of its hot-path
+    /// reuses, at any moment since the pool last settled.
+    pub(crate) fn credit_high(&self, stream: &StreamShared<B>) -> u64 {
+        stream
+            .state()
+            .pending
+            .get(&self.pool)
+            .map_or(0, |f| f.credit_high)
     }
 
     pub(crate) fn totals(&self) -> PendingTotals {

@@ -240,7 +240,7 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
-        if self.slumber.is_none() && self.emptied() {
+        if self.slumber.is_none() && self.emptied(stream) {
             self.start_afresh(stream)?;
         }
         let found = self.with_request(size, stream, |inner, request| {
@@ -254,16 +254,16 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Whether the program held no byte of the pool at some moment since
-    /// the pool last counted, with growth having moved units since the
-    /// pool last started afresh (Note [Starting afresh]).
-    fn emptied(&self) -> bool {
+    /// the pool last counted, by what the allocating stream freed alone,
+    /// with growth having moved units since the pool last started afresh
+    /// (Note [Starting afresh]).
+    fn emptied(&self, stream: Option<&Arc<StreamShared<B>>>) -> bool {
         if self.growth.remaps == self.remaps_at_fresh {
             return false;
         }
         let held = self.usage.used - self.usage.idle;
-        self.streams
-            .credit_high()
-            .is_some_and(|freed| freed >= held)
+        let freed = stream.map_or(0, |s| self.streams.credit_high(s));
+        freed >= held
     }
 
     /// Unmaps every unit with no live byte, keeping its chunk spare, so
