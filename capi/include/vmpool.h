@@ -15,7 +15,7 @@
  * | --- | --- | --- |
  * | `VMPOOL_RELEASE_THRESHOLD` | bytes a pool keeps across a synchronize | `max` (keep everything, as PyTorch does) |
  * | `VMPOOL_CHUNK_SIZE` | largest growth chunk, in bytes | `32MiB` |
- * | `VMPOOL_CHUNK_DIVISOR` | growth chunks of at most the pool's reserved bytes over this, within one granule and `VMPOOL_CHUNK_SIZE`; `off`: whole `VMPOOL_CHUNK_SIZE` chunks | `256` (the Rust library's is 2048; with marked steps laid out, 2048 holds 1.0060-1.0099 of the peak where 256 holds 1.0139-1.0230) |
+ * | `VMPOOL_CHUNK_DIVISOR` | growth chunks of at most the pool's reserved bytes over this, within one granule and `VMPOOL_CHUNK_SIZE`; `off`: whole `VMPOOL_CHUNK_SIZE` chunks | `1024` (the Rust library's is 2048; at random shapes a 1024th held GPT-2 at 1.0058 and ResNet-50 at 1.0078 of the peak, where the 256th before held 1.0061 and 1.0158) |
  * | `VMPOOL_GRANULE_GROWTH_BELOW` | with a divisor, grow by one-granule (2 MiB) chunks while the pool holds fewer bytes than this; `0`: the divisor alone | `2G` |
  * | `VMPOOL_VA_SIZE` | address space the device's pool reserves, in bytes; more for a marked program that builds one model after another on one pool, whose layouts walk up it (docs/RESULTS.md, "Layouts that walk the address space") | four times the device's memory |
  * | `VMPOOL_HANDLE_TYPE` | `posix_fd`: every pool's chunks exportable as POSIX descriptors, so that NCCL can register its memory (`vmpool.torch.register`); `none`: not shareable | `none` |

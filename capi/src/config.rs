@@ -48,15 +48,16 @@ pub enum BackendChoice {
 }
 
 /// The C layer's growth-chunk divisor unless `VMPOOL_CHUNK_DIVISOR` says
-/// otherwise: an eighth of the library's ([`vmpool::DEFAULT_CHUNK_DIVISOR`]),
-/// so chunks up to eight times as large once the pool holds 2 GiB (below
-/// that, growth is by granules either way:
+/// otherwise: half the library's ([`vmpool::DEFAULT_CHUNK_DIVISOR`]), so
+/// chunks up to twice as large once the pool holds 2 GiB (below that,
+/// growth is by granules either way:
 /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`]). Under PyTorch each new
 /// chunk's driver calls cost step time when the pool grows behind queued
-/// work; coarser chunks in large pools make far fewer of them for a
-/// footprint that stays close (docs/RESULTS.md, "Coarser chunks for large
-/// pools").
-pub const DEFAULT_CHUNK_DIVISOR: u64 = 256;
+/// work; a 1024th held the footprint of a 2048th on GPT-2, ResNet-50 and a
+/// GQA decoder at random shapes, at native's time where a 2048th and the
+/// earlier 256th were slower (docs/RESULTS.md, "Growth chunks of a 1024th
+/// under PyTorch").
+pub const DEFAULT_CHUNK_DIVISOR: u64 = 1024;
 
 /// The library's settings, from the environment (README.md, "PyTorch").
 ///
