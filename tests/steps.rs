@@ -602,6 +602,31 @@ pub fn a_step_that_goes_on_past_its_layout_gives_it_up_before_growing<B: TestBac
     finish(&ctx, &pool, &s);
 }
 
+/// A program that empties the pool and goes on past the layout (a new
+/// model built after the last mark) finds the pool as from empty: its
+/// first allocation gives the idle layout up and starts afresh (Note
+/// [Starting afresh]), instead of taking the heap's leftovers beside the
+/// region.
+pub fn an_emptied_pool_gives_its_idle_layout_up_and_starts_afresh<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    // A model's weights, live across its steps, then freed with the rest.
+    let weights = pool.allocate_async(7 * MIB, &s).unwrap();
+    pool.mark_step().unwrap();
+    marked_steps(b.as_ref(), &pool, &s, 1, 3);
+    step(b.as_ref(), &pool, &s, 1);
+    assert!(pool.step_counters().region_bytes > 0);
+    assert!(pool.stats().remaps > 0, "the case needs a move");
+    pool.free_async(weights, &s).unwrap();
+    let before = pool.stats();
+    let first = pool.allocate_async(5 * MIB + 4096, &s).unwrap();
+    let after = pool.stats();
+    assert_eq!(pool.step_counters().region_bytes, 0, "given up");
+    assert!(after.unmaps > before.unmaps, "started afresh");
+    assert_eq!(after.chunks_created, before.chunks_created);
+    pool.free_async(first, &s).unwrap();
+    finish(&ctx, &pool, &s);
+}
+
 pub fn a_region_given_up_around_live_allocations_goes_back_at_once<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
@@ -732,6 +757,7 @@ suites!(
     a_region_given_up_around_live_allocations_goes_back_at_once,
     a_step_that_does_more_at_its_end_keeps_its_layout,
     a_step_that_goes_on_past_its_layout_gives_it_up_before_growing,
+    an_emptied_pool_gives_its_idle_layout_up_and_starts_afresh,
     a_pool_dropped_with_an_idle_layout_gives_its_memory_back,
     marking_a_sleeping_pool_is_refused,
     a_layout_the_pool_cannot_afford_is_given_up,

@@ -266,12 +266,20 @@ impl<B: Backend> Inner<B> {
         freed >= held
     }
 
+    /// Whether the program holds no byte of the pool now, with growth
+    /// having moved units since the pool last started afresh: read
+    /// exactly, every stream's credit and the planned frees taken in (the
+    /// look [`Inner::allocate`] makes reads the allocating stream's alone).
+    pub(super) fn empty_now(&self) -> bool {
+        self.growth.remaps != self.remaps_at_fresh && self.used_bytes() == 0
+    }
+
     /// Unmaps every unit with no live byte, keeping its chunk spare, so
     /// that growth lays the pool out again as it did from empty (Note
     /// [Starting afresh]). The frees still pending go back first, waited
     /// for; during a graph capture, where nothing can be waited for, the
     /// pool stays as it is.
-    fn start_afresh(&mut self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+    pub(super) fn start_afresh(&mut self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
         if let Some(s) = stream {
             self.merge_own_frees(s, 0)?;
         }

@@ -278,7 +278,8 @@ impl<B: Backend> Pool<B> {
     /// after the last mark): from the heap's free memory if it can; where
     /// the heap must grow, the layout may be given up first
     /// ([`Steps::grow_past`]), so that the heap takes the region's memory
-    /// instead of growing beside it.
+    /// instead of growing beside it. Where the program holds nothing of the
+    /// pool, the layout is given up at once and the pool starts afresh.
     fn allocate_past_layout(
         &self,
         size: u64,
@@ -288,23 +289,37 @@ impl<B: Backend> Pool<B> {
         // Under the pool's lock, which also takes the stream's own frees:
         // rare enough not to need the lock-free path.
         let mut inner = self.lock();
-        if let Some(p) = inner.allocate_without_growth(rounded, stream)? {
-            return Ok(self.hand_out_locked(inner, size, p, stream, Purpose::Program));
+        // A program that has emptied the pool starts afresh, its idle
+        // layout given up first so that its region goes too (Note
+        // [Starting afresh]).
+        let emptied = inner.empty_now();
+        if !emptied {
+            if let Some(p) = inner.allocate_without_growth(rounded, stream)? {
+                return Ok(self.hand_out_locked(inner, size, p, stream, Purpose::Program));
+            }
         }
         drop(inner);
         let given_up = {
             let mut st = lock(&self.0.steps);
-            st.steps.grow_past(rounded);
+            if emptied {
+                st.steps.give_up_if_idle();
+            } else {
+                st.steps.grow_past(rounded);
+            }
             self.given_up(&mut st)
         };
         if given_up.is_some() {
-            tracing::debug!(
-                pool = self.0.id,
-                size,
-                "step layout given up: the heap would grow past it"
-            );
+            let why = if emptied {
+                "the program emptied the pool"
+            } else {
+                "the heap would grow past it"
+            };
+            tracing::debug!(pool = self.0.id, size, why, "step layout given up");
         }
         self.free_given_up(given_up);
+        if emptied {
+            self.lock().start_afresh(stream)?;
+        }
         self.allocate_locked(size, rounded, stream, Purpose::Program)
     }
 
