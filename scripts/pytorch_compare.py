@@ -71,7 +71,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 from torch_cases import report, run_case  # noqa: E402
 from torch_workloads import BUILD, DEFAULT_CALLS_TRACE, MODELS, PROBES  # noqa: E402
@@ -92,7 +93,6 @@ ALLOCATORS = {
 }
 WARMUP = 3
 MIB = 1 << 20
-HERE = Path(__file__).resolve().parent
 # The floor allocator's library (scripts/pluggable_floor.c), beside this script.
 FLOOR_LIB = "libpluggable_floor.so"
 

@@ -240,7 +240,7 @@ impl<B: Backend> Inner<B> {
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
     ) -> Result<Pending> {
-        if self.slumber.is_none() && self.emptied(stream) {
+        if self.emptied(stream) {
             self.start_afresh(stream)?;
         }
         let found = self.with_request(size, stream, |inner, request| {
@@ -277,9 +277,12 @@ impl<B: Backend> Inner<B> {
     /// Unmaps every unit with no live byte, keeping its chunk spare, so
     /// that growth lays the pool out again as it did from empty (Note
     /// [Starting afresh]). The frees still pending go back first, waited
-    /// for; during a graph capture, where nothing can be waited for, the
-    /// pool stays as it is.
+    /// for; during a graph capture, where nothing can be waited for, and
+    /// while the pool sleeps, it stays as it is.
     pub(super) fn start_afresh(&mut self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+        if self.slumber.is_some() {
+            return Ok(());
+        }
         if let Some(s) = stream {
             self.merge_own_frees(s, 0)?;
         }

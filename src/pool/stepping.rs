@@ -318,11 +318,7 @@ impl<B: Backend> Pool<B> {
         }
         self.free_given_up(given_up);
         if emptied {
-            let mut inner = self.lock();
-            // Not on a pool put to sleep meanwhile: the allocation fails.
-            if inner.slumber.is_none() {
-                inner.start_afresh(stream)?;
-            }
+            self.lock().start_afresh(stream)?;
         }
         self.allocate_locked(size, rounded, stream, Purpose::Program)
     }

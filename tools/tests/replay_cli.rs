@@ -133,7 +133,7 @@ fn a_bridge_that_moves_and_releases_runs_through() {
         env!("CARGO_MANIFEST_DIR"),
         "/../traces/gqa_decoder_train_torch.trace.gz"
     );
-    let out = replay(&[
+    let report = replay_json(&[
         "--backend",
         "host",
         "--json",
@@ -145,12 +145,6 @@ fn a_bridge_that_moves_and_releases_runs_through() {
         "2MiB",
         trace,
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
     assert!(
         report["chunks_released"].as_u64().unwrap() > 0,
         "no bridge released a unit: the case is not covered ({report})"
@@ -186,13 +180,7 @@ fn passes_on_an_emptied_pool_end_where_the_first_did() {
             &[trace],
         ]
         .concat();
-        let out = replay(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+        let report = replay_json(&args);
         serde_json::from_value(report["pass_ratios"].clone()).unwrap()
     };
     let fresh = ratios(&[]);
@@ -206,6 +194,17 @@ fn replay(args: &[&str]) -> std::process::Output {
         .args(args)
         .output()
         .unwrap()
+}
+
+/// [`replay`] with `--json` among `args`, which must succeed: its report.
+fn replay_json(args: &[&str]) -> serde_json::Value {
+    let out = replay(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]
