@@ -17,7 +17,7 @@ use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, StreamPos};
 use crate::plan::{self, Bridge, Gap, Mapped, Plan, Source, Tail, UnitSize};
 use crate::props::Defragment;
-use crate::space::Space;
+use crate::space::{Piece, Space};
 use crate::va::Va;
 use crate::{Error, Result};
 
@@ -65,7 +65,7 @@ enum Growing {
 /// The chunks gathered for a growth, in mapping order, each with the guard
 /// position it was under at its old place.
 struct Gathered<B: Backend> {
-    chunks: Vec<Arc<Chunk<B>>>,
+    pieces: Vec<Piece<B>>,
     under: Vec<Option<StreamPos>>,
 }
 
@@ -104,9 +104,10 @@ impl<B: Backend> Growth<'_, B> {
             Growing::Range(plan) => plan,
             Growing::Bridge(bridge) => return self.bridge(arena, size, &bridge, &free, started),
         };
-        let gathered = self.gather(&plan.sources, &free, &FxHashSet::default())?;
-        let sizes: Vec<u64> = gathered.chunks.iter().map(|c| c.size() as u64).collect();
-        self.space.map_at(Va(plan.target.start), gathered.chunks)?;
+        let targets = side_by_side(plan.target.start, &plan.sources);
+        let gathered = self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
+        let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
+        self.space.map_at(Va(plan.target.start), gathered.pieces)?;
         self.counters.grows += 1;
         let block = self.arenas[arena]
             .heap
@@ -166,17 +167,22 @@ impl<B: Backend> Growth<'_, B> {
             .iter()
             .flat_map(|(_, sources)| sources.iter().copied())
             .collect();
+        let targets: Vec<u64> = bridge
+            .holes
+            .iter()
+            .flat_map(|(hole, sources)| side_by_side(hole.start, sources))
+            .collect();
         let release: FxHashSet<u64> = bridge.release.iter().map(|u| u.va).collect();
-        let gathered = self.gather(&sources, free, &release)?;
-        let mut chunks = gathered.chunks.into_iter();
+        let gathered = self.gather(&sources, &targets, free, &release)?;
+        let mut pieces = gathered.pieces.into_iter();
         let mut under = gathered.under.into_iter();
         let mut joined = None;
         for (hole, sources) in &bridge.holes {
-            let these: Vec<Arc<Chunk<B>>> = chunks.by_ref().take(sources.len()).collect();
-            let sizes: Vec<u64> = these.iter().map(|c| c.size() as u64).collect();
+            let these: Vec<Piece<B>> = pieces.by_ref().take(sources.len()).collect();
+            let sizes: Vec<u64> = these.iter().map(Piece::size).collect();
             if let Err(err) = self.space.map_at(Va(hole.start), these) {
-                for chunk in chunks {
-                    self.space.keep_spare(chunk);
+                for piece in pieces {
+                    self.space.put_back(piece);
                 }
                 return Err(err);
             }
@@ -248,11 +254,7 @@ impl<B: Backend> Growth<'_, B> {
             len: end - prev_end,
         });
         let spares: Vec<u64> = if self.defragment != Defragment::Off {
-            self.space
-                .spares()
-                .iter()
-                .map(|c| c.size() as u64)
-                .collect()
+            self.space.spare_sizes()
         } else {
             Vec::new()
         };
@@ -464,12 +466,16 @@ impl<B: Backend> Growth<'_, B> {
 
     /// Collects the chunks a plan names, in its order, first releasing the
     /// free units at the addresses in `release` (a bridge's), so that the
-    /// pool never holds both them and the new chunks. On failure the
-    /// chunks this call created are released again and the others are
-    /// spare. `free`: the free units the plan was made from.
+    /// pool never holds both them and the new chunks. A spare the plan
+    /// names goes by its size: a chunk parked of that size where it goes
+    /// (`targets`: each source's address) stays mapped there; the parked
+    /// chunks in the way are unmapped. On failure the chunks this call
+    /// created are released again and the others are spare or parked.
+    /// `free`: the free units the plan was made from.
     fn gather(
         &mut self,
         sources: &[Source],
+        targets: &[u64],
         free: &[FreeUnit],
         release: &FxHashSet<u64>,
     ) -> Result<Gathered<B>> {
@@ -499,18 +505,50 @@ impl<B: Backend> Growth<'_, B> {
                 drop(m);
             }
         }
-        let mut spares: Vec<Option<Arc<Chunk<B>>>> =
-            self.space.take_spares().into_iter().map(Some).collect();
+        // A chunk parked where the plan lays a spare of its size stays
+        // there; the other parked chunks in the way go.
+        let mut in_place: Vec<Option<Piece<B>>> = sources
+            .iter()
+            .zip(targets)
+            .map(|(source, &at)| match *source {
+                Source::Spare { size, .. } => {
+                    self.space.take_parked_at(Va(at), size).map(Piece::InPlace)
+                }
+                _ => None,
+            })
+            .collect();
+        let mut failure = None;
+        for (source, &at) in sources.iter().zip(targets) {
+            if let Err(err) = self.space.clear_parked(Va(at)..Va(at + source.size())) {
+                failure = Some(err);
+                break;
+            }
+        }
         let mut gathered = Gathered {
-            chunks: Vec::new(),
+            pieces: Vec::new(),
             under: Vec::new(),
         };
         let mut created = Vec::new();
-        let mut failure = None;
-        for source in sources {
+        for (i, source) in sources.iter().enumerate() {
+            if failure.is_some() {
+                break;
+            }
             let mut was_under = None;
             let chunk = match *source {
-                Source::Spare { index, .. } => spares[index].take(),
+                Source::Spare { size, .. } => {
+                    if let Some(piece) = in_place[i].take() {
+                        gathered.pieces.push(piece);
+                        gathered.under.push(None);
+                        continue;
+                    }
+                    match self.space.take_spare(size) {
+                        Ok(chunk) => chunk,
+                        Err(err) => {
+                            failure = Some(err);
+                            break;
+                        }
+                    }
+                }
                 Source::Unit { va, size } => {
                     self.counters.remaps += 1;
                     self.counters.bytes_remapped += size;
@@ -535,19 +573,28 @@ impl<B: Backend> Growth<'_, B> {
                     }
                 },
             };
-            gathered
-                .chunks
-                .push(chunk.expect("every planned chunk was gathered"));
+            gathered.pieces.push(Piece::Chunk(
+                chunk.expect("every planned chunk was gathered"),
+            ));
             gathered.under.push(was_under);
         }
-        self.space.return_spares(spares.into_iter().flatten());
         match failure {
             Some(err) => {
-                for chunk in gathered.chunks {
-                    if created.contains(&chunk.handle()) {
-                        self.space.release(chunk);
-                    } else {
-                        self.space.keep_spare(chunk);
+                // Moved units not gathered yet are spare (or stay with their
+                // aliases, which hand them over when they go).
+                for m in moved.into_values() {
+                    self.space.keep_spare(m.chunk);
+                }
+                for piece in gathered
+                    .pieces
+                    .into_iter()
+                    .chain(in_place.into_iter().flatten())
+                {
+                    match piece {
+                        Piece::Chunk(chunk) if created.contains(&chunk.handle()) => {
+                            self.space.release(chunk)
+                        }
+                        piece => self.space.put_back(piece),
                     }
                 }
                 Err(err)
@@ -556,17 +603,22 @@ impl<B: Backend> Growth<'_, B> {
         }
     }
 
-    /// Unmaps every unit with no live byte (none under guards), keeping
-    /// its chunk spare: growth then maps it again where it lays out new
-    /// space (Note [Starting afresh] in docs/DESIGN.md).
-    pub(crate) fn unmap_free_units(&mut self) -> Result<()> {
-        let units = self.free_units(None, Defragment::Units);
+    /// Parks every unit with no live byte (none under guards): out of the
+    /// heap, its chunk spare but still mapped, so that growth, laying out
+    /// new space as from empty, maps it again at no cost where it lays a
+    /// chunk of its size at its place (Note [Starting afresh] in
+    /// docs/DESIGN.md).
+    pub(crate) fn park_free_units(&mut self) {
+        let mut units = self.free_units(None, Defragment::Units);
         let count = units.len();
-        for m in self.unmap_units(units)? {
-            self.space.keep_spare(m.chunk);
+        // Right to left, as in `unmap_units`.
+        units.sort_by_key(|u| std::cmp::Reverse(u.va));
+        for FreeUnit { va, len, block } in units {
+            let arena = self.arenas.of(va.0);
+            self.arenas[arena].heap.take(block, va.0, len);
+            self.space.park(va);
         }
         tracing::debug!(pool = self.pool, units = count, "started afresh");
-        Ok(())
     }
 
     /// Releases unused chunks (spares and free units, largest first) until
@@ -582,9 +634,9 @@ impl<B: Backend> Growth<'_, B> {
         // Spare chunks and free units can go, largest first.
         let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
             .space
-            .spares()
-            .iter()
-            .map(|c| (c.size() as u64, None))
+            .spare_sizes()
+            .into_iter()
+            .map(|size| (size, None))
             .chain(
                 self.free_units(None, Defragment::Units)
                     .into_iter()
@@ -623,4 +675,16 @@ impl<B: Backend> Growth<'_, B> {
         );
         Ok(())
     }
+}
+
+/// The address of each of `sources`, mapped side by side from `start`.
+fn side_by_side(start: u64, sources: &[Source]) -> Vec<u64> {
+    sources
+        .iter()
+        .scan(start, |at, source| {
+            let here = *at;
+            *at += source.size();
+            Some(here)
+        })
+        .collect()
 }

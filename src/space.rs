@@ -8,6 +8,7 @@
 //!  units        [unit A ][unit B      ]      [unit C]      (each one whole chunk)
 //!  aliases                     [old place of a moved unit] (mapped until its stream passes)
 //!  spares       chunks not mapped anywhere, kept for reuse
+//!  parked       spare chunks a fresh start left mapped where they were
 //!  quarantine   mappings the driver would neither unmap nor give access to
 //!  unreleased   chunks the driver would not release, tried again at the next trim
 //! ```
@@ -42,6 +43,22 @@ pub(crate) struct UnitRun<'a, B: Backend> {
     pub(crate) mappings: Vec<&'a Mapping<B>>,
 }
 
+/// A chunk for [`Space::map_at`]: one to map, or a parked unit already
+/// mapped at its place.
+pub(crate) enum Piece<B: Backend> {
+    Chunk(Arc<Chunk<B>>),
+    InPlace(Mapping<B>),
+}
+
+impl<B: Backend> Piece<B> {
+    pub(crate) fn size(&self) -> u64 {
+        match self {
+            Piece::Chunk(c) => c.size() as u64,
+            Piece::InPlace(m) => m.size() as u64,
+        }
+    }
+}
+
 /// What the space has done, for [`crate::PoolStats`].
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SpaceCounters {
@@ -74,6 +91,11 @@ pub(crate) struct Space<B: Backend> {
     units: BTreeMap<Va, Mapping<B>>,
     /// Chunks held but not mapped.
     spares: Vec<Arc<Chunk<B>>>,
+    /// Spare chunks still mapped where they were units, by address: a fresh
+    /// start leaves them there, out of the heap, so that growth laying a
+    /// chunk of the same size at the same place takes one without a
+    /// driver call (Note [Starting afresh] in docs/DESIGN.md).
+    parked: BTreeMap<Va, Mapping<B>>,
     /// Mappings that could be neither given access nor unmapped: out of
     /// service, kept so their chunks stay accounted for.
     quarantine: Vec<Mapping<B>>,
@@ -105,6 +127,7 @@ impl<B: Backend> Space<B> {
             shareable: props.shareable,
             units: BTreeMap::new(),
             spares: Vec::new(),
+            parked: BTreeMap::new(),
             quarantine: Vec::new(),
             unreleased: Vec::new(),
             aliases: BTreeMap::new(),
@@ -132,8 +155,21 @@ impl<B: Backend> Space<B> {
         &self.units
     }
 
-    pub(crate) fn spares(&self) -> &[Arc<Chunk<B>>] {
-        &self.spares
+    /// The spare chunks, unmapped then parked: (handle, size).
+    pub(crate) fn spare_chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let unmapped = self.spares.iter().map(|c| c.as_ref());
+        unmapped
+            .chain(self.parked.values().map(|m| m.chunk().as_ref()))
+            .map(|c| (c.handle().0, c.size() as u64))
+    }
+
+    /// The sizes of the spare chunks, unmapped then parked: what growth
+    /// may map without creating memory.
+    pub(crate) fn spare_sizes(&self) -> Vec<u64> {
+        let unmapped = self.spares.iter().map(|c| c.size() as u64);
+        unmapped
+            .chain(self.parked.values().map(|m| m.size() as u64))
+            .collect()
     }
 
     pub(crate) fn reserved(&self) -> u64 {
@@ -157,7 +193,7 @@ impl<B: Backend> Space<B> {
     }
 
     pub(crate) fn spare_bytes(&self) -> u64 {
-        self.spares.iter().map(|c| c.size() as u64).sum()
+        self.spare_sizes().iter().sum()
     }
 
     pub(crate) fn unit_views(&self) -> Vec<UnitView> {
@@ -190,31 +226,85 @@ impl<B: Backend> Space<B> {
 
     /// The units in `range` in runs of adjacent ones, in address order.
     pub(crate) fn unit_runs(&self, range: impl RangeBounds<Va>) -> Vec<UnitRun<'_, B>> {
-        let mut runs: Vec<UnitRun<'_, B>> = Vec::new();
-        for (&va, m) in self.units.range(range) {
-            match runs.last_mut() {
-                Some(run) if run.range.end == va => {
-                    run.range.end = va + m.size() as u64;
-                    run.mappings.push(m);
-                }
-                _ => runs.push(UnitRun {
-                    range: va..va + m.size() as u64,
-                    mappings: vec![m],
-                }),
+        runs_of(self.units.range(range))
+    }
+
+    /// Takes the unit at `va` out of the units and parks it there, still
+    /// mapped: a spare chunk that growth may map again in place.
+    pub(crate) fn park(&mut self, va: Va) {
+        let mapping = self.remove_unit(va);
+        self.parked.insert(va, mapping);
+    }
+
+    /// Takes out the chunk parked at `va` if it is of `size` bytes, still
+    /// mapped there.
+    pub(crate) fn take_parked_at(&mut self, va: Va, size: u64) -> Option<Mapping<B>> {
+        let fits = self.parked.get(&va)?.size() as u64 == size;
+        fits.then(|| self.parked.remove(&va).expect("looked up above"))
+    }
+
+    /// Parks again a unit [`Space::take_parked_at`] took out and growth
+    /// did not use.
+    pub(crate) fn repark(&mut self, mapping: Mapping<B>) {
+        self.parked.insert(Va(mapping.va().0), mapping);
+    }
+
+    /// Unmaps the parked chunks that overlap `range`, keeping them spare,
+    /// so that the range can be mapped. Fails on the first that will not
+    /// unmap (it stays parked).
+    pub(crate) fn clear_parked(&mut self, range: Range<Va>) -> Result<()> {
+        let first = self
+            .parked
+            .range(..range.start)
+            .next_back()
+            .filter(|(&va, m)| va + m.size() as u64 > range.start)
+            .map_or(range.start, |(&va, _)| va);
+        let overlapping: Vec<Va> = self
+            .parked
+            .range(first..range.end)
+            .map(|(&va, _)| va)
+            .collect();
+        for va in overlapping {
+            self.unpark(va)?;
+        }
+        Ok(())
+    }
+
+    /// Takes a spare chunk of exactly `size` bytes: an unmapped one, else
+    /// a parked one, unmapped now. The highest first: growth lays out from
+    /// the bottom of an arena, so the chunks parked high are the last it
+    /// would reach in place (half the maps of taking the lowest first:
+    /// docs/RESULTS.md, "Fresh starts that keep their chunks mapped").
+    pub(crate) fn take_spare(&mut self, size: u64) -> Result<Option<Arc<Chunk<B>>>> {
+        if let Some(i) = self.spares.iter().position(|c| c.size() as u64 == size) {
+            return Ok(Some(self.spares.swap_remove(i)));
+        }
+        let Some(va) = self
+            .parked
+            .iter()
+            .rev()
+            .find(|(_, m)| m.size() as u64 == size)
+            .map(|(&va, _)| va)
+        else {
+            return Ok(None);
+        };
+        self.unpark(va)?;
+        Ok(self.spares.pop())
+    }
+
+    /// Unmaps the chunk parked at `va` into the spares.
+    fn unpark(&mut self, va: Va) -> Result<()> {
+        let mapping = self.parked.remove(&va).expect("a chunk is parked there");
+        match self.unmap(mapping) {
+            Ok(chunk) => {
+                self.spares.push(chunk);
+                Ok(())
+            }
+            Err((err, mapping)) => {
+                self.parked.insert(va, mapping);
+                Err(err)
             }
         }
-        runs
-    }
-
-    /// Takes all spare chunks out, to be put back with [`Space::keep_spare`]
-    /// or mapped.
-    pub(crate) fn take_spares(&mut self) -> Vec<Arc<Chunk<B>>> {
-        std::mem::take(&mut self.spares)
-    }
-
-    /// Puts back spares [`Space::take_spares`] took out and did not use.
-    pub(crate) fn return_spares(&mut self, spares: impl IntoIterator<Item = Arc<Chunk<B>>>) {
-        self.spares.extend(spares);
     }
 
     /// Keeps an unused chunk for later, unless an alias still maps it: then
@@ -248,16 +338,30 @@ impl<B: Backend> Space<B> {
         Ok(chunk)
     }
 
-    /// Maps `chunks` side by side from `start`, each as one unit, then gives
-    /// the whole range the access list in one driver call, which costs about
-    /// as much for many chunks as for one. On failure, what this call
-    /// mapped is unmapped again and every chunk is spare.
-    pub(crate) fn map_at(&mut self, start: Va, chunks: Vec<Arc<Chunk<B>>>) -> Result<()> {
+    /// Maps `pieces` side by side from `start`, each as one unit (a parked
+    /// one is there already), then gives the whole range the access list
+    /// in one driver call, which costs about as much for many chunks as for
+    /// one. On failure, what this call mapped is unmapped again and every
+    /// chunk is spare.
+    pub(crate) fn map_at(&mut self, start: Va, pieces: Vec<Piece<B>>) -> Result<()> {
         let mut at = start;
         let mut done: Vec<Va> = Vec::new();
-        let mut chunks = chunks.into_iter();
+        let mut pieces = pieces.into_iter();
         let mut failure = None;
-        while let Some(chunk) = chunks.next() {
+        // Parked units have the access list already (Space::set_access).
+        let mut mapped_any = false;
+        while let Some(piece) = pieces.next() {
+            let chunk = match piece {
+                Piece::InPlace(mapping) => {
+                    debug_assert_eq!(mapping.va().0, at.0, "parked where it goes");
+                    let size = mapping.size() as u64;
+                    self.units.insert(at, mapping);
+                    done.push(at);
+                    at += size;
+                    continue;
+                }
+                Piece::Chunk(chunk) => chunk,
+            };
             let size = chunk.size() as u64;
             match Mapping::new(&self.reservation, at.offset_from(self.base()), &chunk) {
                 Ok(mapping) => {
@@ -271,17 +375,18 @@ impl<B: Backend> Space<B> {
                     self.units.insert(at, mapping);
                     done.push(at);
                     at += size;
+                    mapped_any = true;
                 }
                 Err(err) => {
                     self.keep_spare(chunk);
-                    for chunk in chunks.by_ref() {
-                        self.keep_spare(chunk);
+                    for piece in pieces.by_ref() {
+                        self.put_back(piece);
                     }
                     failure = Some(err.into());
                 }
             }
         }
-        if failure.is_none() && at > start {
+        if failure.is_none() && mapped_any {
             let access = self.mapping_access();
             if let Err(err) =
                 self.backend()
@@ -299,6 +404,15 @@ impl<B: Backend> Space<B> {
                 }
                 Err(err)
             }
+        }
+    }
+
+    /// Keeps a piece growth gathered and did not map: spare, or parked
+    /// again.
+    pub(crate) fn put_back(&mut self, piece: Piece<B>) {
+        match piece {
+            Piece::Chunk(chunk) => self.keep_spare(chunk),
+            Piece::InPlace(mapping) => self.repark(mapping),
         }
     }
 
@@ -429,10 +543,28 @@ impl<B: Backend> Space<B> {
         released
     }
 
-    /// Releases every spare chunk.
+    /// Releases every spare chunk, parked ones unmapped first (one that
+    /// will not unmap stays parked).
     pub(crate) fn release_spares(&mut self) {
+        let parked: Vec<Va> = self.parked.keys().copied().collect();
+        for va in parked {
+            self.release_parked(va);
+        }
         for chunk in std::mem::take(&mut self.spares) {
             self.release(chunk);
+        }
+    }
+
+    /// Unmaps and releases the chunk parked at `va`; one that will not
+    /// unmap stays parked, for a later trim.
+    fn release_parked(&mut self, va: Va) {
+        let mapping = self.parked.remove(&va).expect("a chunk is parked there");
+        match self.unmap(mapping) {
+            Ok(chunk) => self.release(chunk),
+            Err((err, mapping)) => {
+                tracing::warn!(%err, va = %mapping.va(), "could not unmap a parked chunk; it stays");
+                self.parked.insert(va, mapping);
+            }
         }
     }
 
@@ -443,10 +575,29 @@ impl<B: Backend> Space<B> {
         }
     }
 
-    /// Releases the `count` largest spare chunks.
+    /// Releases the `count` largest spare chunks, parked ones included
+    /// (unmapped first; one that will not unmap stays parked).
     pub(crate) fn release_largest_spares(&mut self, count: usize) {
+        let mut sizes: Vec<(u64, Option<Va>)> = self
+            .spares
+            .iter()
+            .map(|c| (c.size() as u64, None))
+            .chain(
+                self.parked
+                    .iter()
+                    .map(|(&va, m)| (m.size() as u64, Some(va))),
+            )
+            .collect();
+        sizes.sort_by_key(|&(size, _)| std::cmp::Reverse(size));
+        let mut unmapped = 0;
+        for (_, parked) in sizes.into_iter().take(count) {
+            match parked {
+                Some(va) => self.release_parked(va),
+                None => unmapped += 1,
+            }
+        }
         self.spares.sort_by_key(|c| std::cmp::Reverse(c.size()));
-        let going: Vec<Arc<Chunk<B>>> = self.spares.drain(..count).collect();
+        let going: Vec<Arc<Chunk<B>>> = self.spares.drain(..unmapped).collect();
         for chunk in going {
             self.release(chunk);
         }
@@ -478,7 +629,8 @@ impl<B: Backend> Space<B> {
             device: desc.device,
             access: self.access(desc.device),
         };
-        let runs = self.unit_runs(..);
+        let mut runs = self.unit_runs(..);
+        runs.extend(runs_of(&self.parked));
         for (i, run) in runs.iter().enumerate() {
             if let Err(err) = set_run_access(&run.mappings, desc) {
                 for done in &runs[..i] {
@@ -496,8 +648,9 @@ impl<B: Backend> Space<B> {
         Ok(())
     }
 
-    /// Leaves every mapping in place for good: for a pool that goes while
-    /// memory in it may still be used.
+    /// Leaves every unit's mapping in place for good: for a pool that goes
+    /// while memory in it may still be used. Parked chunks, which hold
+    /// nothing, go as usual.
     pub(crate) fn forget_mappings(&mut self) {
         std::mem::forget(std::mem::take(&mut self.units));
         std::mem::forget(std::mem::take(&mut self.quarantine));
@@ -530,6 +683,18 @@ impl<B: Backend> Space<B> {
         }
         for c in &self.spares {
             hold(c, problems);
+        }
+        for (&va, m) in &self.parked {
+            hold(m.chunk(), problems);
+            let end = va + m.size() as u64;
+            if self
+                .units
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&u, m)| u + m.size() as u64 > va)
+            {
+                problems.push(format!("parked chunk at {va:#x} overlaps a unit"));
+            }
         }
         for m in &self.quarantine {
             hold(m.chunk(), problems);
@@ -566,6 +731,26 @@ impl<B: Backend> Space<B> {
         }
         (mapped, chunks.len() as u64)
     }
+}
+
+/// The mappings of `by_address` in runs of adjacent ones.
+fn runs_of<'a, B: Backend + 'a>(
+    by_address: impl IntoIterator<Item = (&'a Va, &'a Mapping<B>)>,
+) -> Vec<UnitRun<'a, B>> {
+    let mut runs: Vec<UnitRun<'a, B>> = Vec::new();
+    for (&va, m) in by_address {
+        match runs.last_mut() {
+            Some(run) if run.range.end == va => {
+                run.range.end = va + m.size() as u64;
+                run.mappings.push(m);
+            }
+            _ => runs.push(UnitRun {
+                range: va..va + m.size() as u64,
+                mappings: vec![m],
+            }),
+        }
+    }
+    runs
 }
 
 /// Sets `desc` on a run of adjacent mappings with one driver call.

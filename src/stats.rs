@@ -89,7 +89,8 @@ pub struct PoolStats {
     pub used_bytes: u64,
     /// Bytes mapped in the pool's range now.
     pub mapped_bytes: u64,
-    /// Bytes of chunks held unmapped, ready for the next growth.
+    /// Bytes of spare chunks, held unused for the next growth: unmapped,
+    /// or parked where a fresh start left them mapped.
     pub spare_bytes: u64,
     /// Chunks mapped now.
     pub units: u64,
@@ -125,7 +126,8 @@ pub struct PoolSnapshot {
     pub units: Vec<UnitView>,
     /// Free mapped ranges (start, length), in address order.
     pub free: Vec<(u64, u64)>,
-    /// Chunks held unmapped: (chunk handle, size).
+    /// Spare chunks, held unused (unmapped, or parked where a fresh start
+    /// left them mapped): (chunk handle, size).
     pub spares: Vec<(u64, u64)>,
     /// The pool's statistics at the same moment.
     pub stats: PoolStats,

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
-use vmpool::{Allocation, Context, Defragment, Error, PoolAttribute, PoolProps, SMALL_LIMIT};
+use vmpool::{
+    Allocation, Context, Defragment, Error, PoolAttribute, PoolProps, SleepLevel, SMALL_LIMIT,
+};
 
 mod common;
 
@@ -247,9 +249,9 @@ pub fn growth_moves_whole_free_blocks_first<B: TestBackend>(b: &Arc<B>) {
 
 /// A pool the program has emptied, after growth moved units, lays out what
 /// comes next as it did from empty (Note [Starting afresh]): its free
-/// units go spare, and the next allocation lands where the first one did,
-/// on the memory the pool holds. While anything stays live, and after a
-/// fresh start with no move since, nothing is unmapped.
+/// units go spare, parked where they are, and the next allocation lands
+/// where the first one did, on the memory the pool holds. While anything
+/// stays live, and after a fresh start with no move since, nothing moves.
 pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
@@ -278,16 +280,18 @@ pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().unmaps, unmaps);
     pool.free(w).unwrap();
     pool.free(y).unwrap();
-    // Empty: the free units go spare, and growth maps one at the start.
+    // Empty: the free units go spare, and growth maps one at the start,
+    // where none is parked (x's moved): the highest parked one goes there.
     let before = pool.stats();
-    let mapped = pool.snapshot().units.len() as u64;
     let fresh = pool.allocate(g).unwrap();
     let after = pool.stats();
     assert_eq!(fresh.ptr(), first);
-    assert_eq!(after.unmaps - before.unmaps, mapped);
+    assert_eq!(after.unmaps - before.unmaps, 1);
     assert_eq!(after.chunks_created, before.chunks_created);
     assert_eq!(after.reserved_bytes, before.reserved_bytes);
     assert_eq!(pool.snapshot().units.len(), 1);
+    assert_eq!(after.mapped_bytes, g);
+    assert_eq!(after.spare_bytes, after.reserved_bytes - g);
     pool.audit().unwrap();
     // Emptied again with no move since: the layout stays.
     pool.free(fresh).unwrap();
@@ -296,6 +300,83 @@ pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().unmaps, unmaps);
     assert_eq!(again.ptr(), first);
     pool.free(again).unwrap();
+}
+
+/// A fresh start keeps its chunks mapped where they were (parked): the
+/// same work done again on the emptied pool lays out as the first time,
+/// and where it lays a chunk of a parked one's size at its place, takes
+/// that one without a driver call (Note [Starting afresh]). A trim and a
+/// sleep give parked chunks back like any spare.
+pub fn a_fresh_start_maps_again_in_place<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(4 << 30),
+            chunk_size: Some(g),
+            chunk_divisor: None,
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    // [a: 4 units | x | y | z]; x and z freed, then x's unit moved beside
+    // z's to make v.
+    let pass = || -> Vec<u64> {
+        let a = pool.allocate(4 * g).unwrap();
+        let x = pool.allocate(g).unwrap();
+        let y = pool.allocate(g).unwrap();
+        let z = pool.allocate(g).unwrap();
+        let ptrs = vec![a.ptr().0, x.ptr().0, y.ptr().0, z.ptr().0];
+        pool.free(x).unwrap();
+        pool.free(z).unwrap();
+        let v = pool.allocate(2 * g).unwrap();
+        let ptrs = [ptrs, vec![v.ptr().0]].concat();
+        for done in [a, y, v] {
+            pool.free(done).unwrap();
+        }
+        ptrs
+    };
+    let first = pass();
+    let once = pool.stats();
+    assert_eq!(once.chunks_created, 7);
+    assert_eq!(once.remaps, 1, "the case needs a move");
+    let again = pass();
+    let twice = pool.stats();
+    assert_eq!(again, first, "laid out as the first time");
+    assert_eq!(twice.chunks_created, 7);
+    assert_eq!(twice.reserved_bytes, once.reserved_bytes);
+    // a, y and z in place; x's place was left empty by the move, so the
+    // highest parked chunk (x's, beside z) goes there, and v's move is
+    // made again: two maps, where unmapping every unit at the fresh start
+    // made eight.
+    assert_eq!(twice.maps - once.maps, 2);
+    assert_eq!(twice.unmaps - once.unmaps, 2);
+    pool.audit().unwrap();
+    // Parked chunks go back with a trim, and with a sleep.
+    let fresh = pool.allocate(g).unwrap();
+    assert!(pool.stats().spare_bytes > 0, "parked");
+    pool.free(fresh).unwrap();
+    pool.trim_to(0).unwrap();
+    let trimmed = pool.stats();
+    assert_eq!(
+        (
+            trimmed.reserved_bytes,
+            trimmed.mapped_bytes,
+            trimmed.spare_bytes
+        ),
+        (0, 0, 0)
+    );
+    pool.audit().unwrap();
+    pass();
+    let fresh = pool.allocate(g).unwrap();
+    assert!(pool.stats().spare_bytes > 0, "parked");
+    let s = ctx.create_stream(DEV).unwrap();
+    pool.sleep(SleepLevel::DiscardAll, &s).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    pool.audit().unwrap();
+    assert_eq!(pool.wake(&s).unwrap().mapped_bytes, g);
+    assert_eq!(pool.stats().reserved_bytes, g);
+    pool.audit().unwrap();
+    pool.free(fresh).unwrap();
 }
 
 pub fn small_allocations_are_packed<B: TestBackend>(b: &Arc<B>) {
@@ -621,6 +702,7 @@ suites!(
     growth_chunks_scale_with_the_pool,
     growth_moves_whole_free_blocks_first,
     an_emptied_pool_starts_afresh,
+    a_fresh_start_maps_again_in_place,
     small_allocations_are_packed,
     checkerboard_is_served_by_remapping,
     trim_returns_every_chunk,
@@ -755,6 +837,18 @@ mod small_device {
         let _ = pool.trim_to(0);
         pool.audit().unwrap();
         for a in kept {
+            pool.free(a).unwrap();
+        }
+        // Emptied after moves: the next allocations start afresh, on
+        // parked chunks, in place or unmapped and mapped elsewhere.
+        let mut again = Vec::new();
+        for size in [5 * MIB, MIB, 9 * MIB] {
+            if let Ok(a) = pool.allocate(size) {
+                again.push(a);
+            }
+            pool.audit().unwrap();
+        }
+        for a in again {
             pool.free(a).unwrap();
         }
         let _ = pool.trim_to(0);

@@ -67,12 +67,7 @@ pub(super) fn snapshot<B: Backend>(inner: &Inner<B>, va_size: u64) -> PoolSnapsh
         arenas: inner.arenas.iter().map(|a| (a.start, a.end)).collect(),
         units: inner.space.unit_views(),
         free,
-        spares: inner
-            .space
-            .spares()
-            .iter()
-            .map(|c| (c.handle().0, c.size() as u64))
-            .collect(),
+        spares: inner.space.spare_chunks().collect(),
         stats: stats(inner),
     }
 }

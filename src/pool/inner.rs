@@ -290,7 +290,8 @@ impl<B: Backend> Inner<B> {
             return Ok(());
         }
         self.remaps_at_fresh = self.growth.remaps;
-        self.growth().unmap_free_units()
+        self.growth().park_free_units();
+        Ok(())
     }
 
     /// [`Inner::allocate`] from the memory the pool holds free, without

@@ -19,7 +19,7 @@ use super::inner::Inner;
 use super::Pool;
 use crate::arena::ArenaId;
 use crate::ordering::{Stream, StreamShared};
-use crate::space::Space;
+use crate::space::{Piece, Space};
 use crate::va::Va;
 use crate::{Error, Result};
 
@@ -567,7 +567,7 @@ fn map_units<B: Backend>(space: &mut Space<B>, units: &[(Va, u64)]) -> Result<()
             }
             end += len;
         }
-        space.map_at(start, chunks)?;
+        space.map_at(start, chunks.into_iter().map(Piece::Chunk).collect())?;
     }
     Ok(())
 }
