@@ -15,7 +15,7 @@ use vmm::Backend;
 use crate::arena::{ArenaId, Arenas};
 use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, StreamPos};
-use crate::plan::{self, Bridge, Gap, Mapped, Plan, Source, Tail, UnitSize};
+use crate::plan::{self, Bridge, Gap, Mapped, Plan, Sizes, Source, Tail, UnitSize};
 use crate::props::Defragment;
 use crate::space::{Piece, Space};
 use crate::va::Va;
@@ -253,10 +253,10 @@ impl<B: Backend> Growth<'_, B> {
             start: prev_end,
             len: end - prev_end,
         });
-        let spares: Vec<u64> = if self.defragment != Defragment::Off {
-            self.space.spare_sizes()
+        let spares = if self.defragment != Defragment::Off {
+            Sizes::of(self.space.spare_counts())
         } else {
-            Vec::new()
+            Sizes::of([])
         };
         let units: Vec<UnitSize> = free
             .iter()
@@ -293,7 +293,7 @@ impl<B: Backend> Growth<'_, B> {
             mapped: &mapped,
             tails: &tails,
             gaps: &gaps,
-            spares: &spares,
+            spares,
             units: &units,
             granule,
             chunk_size: growth_chunk,
@@ -511,7 +511,7 @@ impl<B: Backend> Growth<'_, B> {
             .iter()
             .zip(targets)
             .map(|(source, &at)| match *source {
-                Source::Spare { size, .. } => {
+                Source::Spare { size } => {
                     self.space.take_parked_at(Va(at), size).map(Piece::InPlace)
                 }
                 _ => None,
@@ -535,7 +535,7 @@ impl<B: Backend> Growth<'_, B> {
             }
             let mut was_under = None;
             let chunk = match *source {
-                Source::Spare { size, .. } => {
+                Source::Spare { size } => {
                     if let Some(piece) = in_place[i].take() {
                         gathered.pieces.push(piece);
                         gathered.under.push(None);
@@ -634,9 +634,8 @@ impl<B: Backend> Growth<'_, B> {
         // Spare chunks and free units can go, largest first.
         let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
             .space
-            .spare_sizes()
-            .into_iter()
-            .map(|size| (size, None))
+            .spare_counts()
+            .flat_map(|(size, n)| std::iter::repeat_n((size, None), n))
             .chain(
                 self.free_units(None, Defragment::Units)
                     .into_iter()

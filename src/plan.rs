@@ -35,8 +35,8 @@ pub struct Target {
 /// One chunk backing the new range, in mapping order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
-    /// Spare chunk number `index` (unmapped, held by the pool).
-    Spare { index: usize, size: u64 },
+    /// A spare chunk of `size` bytes (held by the pool, used by nothing).
+    Spare { size: u64 },
     /// The free unit at `va`: unmap it and map it here.
     Unit { va: u64, size: u64 },
     /// A new chunk.
@@ -46,7 +46,7 @@ pub enum Source {
 impl Source {
     pub fn size(&self) -> u64 {
         match *self {
-            Source::Spare { size, .. } | Source::Unit { size, .. } | Source::New { size } => size,
+            Source::Spare { size } | Source::Unit { size, .. } | Source::New { size } => size,
         }
     }
 }
@@ -147,8 +147,8 @@ pub struct Inputs<'a> {
     pub tails: &'a [Tail],
     /// In address order.
     pub gaps: &'a [Gap],
-    /// Sizes of the spare chunks.
-    pub spares: &'a [u64],
+    /// The spare chunks' sizes.
+    pub spares: Sizes,
     /// In the order to move them where sizes tie.
     pub units: &'a [UnitSize],
     pub granule: u64,
@@ -203,7 +203,7 @@ pub fn plan_growth(request: u64, inputs: &Inputs<'_>) -> Option<Plan> {
         .chain(fresh)
         .filter(|c| c.need <= c.room)
         .find_map(|c| {
-            let sources = plan_sources(c.need, inputs.spares, &c.units, inputs.chunk_size);
+            let sources = plan_sources(c.need, &inputs.spares, &c.units, inputs.chunk_size);
             let plan = Plan {
                 target: c.target,
                 sources,
@@ -255,7 +255,7 @@ pub fn plan_bridge(request: u64, inputs: &Inputs<'_>, releasable: &[UnitSize]) -
     // holes left.
     let start = mapped[i].start + mapped[i].len - mapped[i].tail;
     let window = start..start + request;
-    let mut spares: Vec<(usize, u64)> = inputs.spares.iter().copied().enumerate().collect();
+    let mut spares = inputs.spares.clone();
     let mut units: Vec<(u64, u64)> = inputs
         .units
         .iter()
@@ -272,9 +272,8 @@ pub fn plan_bridge(request: u64, inputs: &Inputs<'_>, releasable: &[UnitSize]) -
         .map(|hole| {
             let mut left = hole.len;
             let mut sources = Vec::new();
-            while let Some(pick) = largest_within(&spares, left) {
-                let (index, size) = spares.remove(pick);
-                sources.push(Source::Spare { index, size });
+            while let Some(size) = spares.take_largest_within(left) {
+                sources.push(Source::Spare { size });
                 left -= size;
             }
             while let Some(pick) = largest_within(&units, left) {
@@ -321,16 +320,15 @@ fn largest_within<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
 /// smallest that covers what is left, else the largest, so few chunks move
 /// and little is over-covered; among equal sizes, the first in the order
 /// given. Nothing is created while unused memory would do.
-pub fn plan_sources(need: u64, spares: &[u64], units: &[UnitSize], chunk_size: u64) -> Vec<Source> {
+pub fn plan_sources(need: u64, spares: &Sizes, units: &[UnitSize], chunk_size: u64) -> Vec<Source> {
     let mut left = need;
     let mut plan = Vec::new();
-    let mut spare_left: Vec<(usize, u64)> = spares.iter().copied().enumerate().collect();
+    let mut spare_left = spares.clone();
     while left > 0 {
-        let Some(pick) = best_cover(&spare_left, left) else {
+        let Some(size) = spare_left.take_best_cover(left) else {
             break;
         };
-        let (index, size) = spare_left.remove(pick);
-        plan.push(Source::Spare { index, size });
+        plan.push(Source::Spare { size });
         left = left.saturating_sub(size);
     }
     let mut unit_left: Vec<(u64, u64)> = units.iter().map(|u| (u.va, u.size)).collect();
@@ -375,6 +373,55 @@ fn best_cover<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
+/// A multiset of chunk sizes, by size: few distinct sizes however many
+/// chunks, so that a pick looks at the sizes, not at every chunk.
+#[derive(Debug, Clone)]
+pub struct Sizes(Vec<(u64, usize)>);
+
+impl Sizes {
+    /// From (size, how many of it) pairs, in any order, sizes repeated or
+    /// not.
+    pub fn of(counts: impl IntoIterator<Item = (u64, usize)>) -> Self {
+        let mut counted: Vec<(u64, usize)> = counts.into_iter().filter(|&(_, n)| n > 0).collect();
+        counted.sort_unstable();
+        counted.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 += later.1;
+            }
+            same
+        });
+        Self(counted)
+    }
+
+    /// Takes one of `size` out, which must be held.
+    fn take(&mut self, size: u64) -> u64 {
+        let i = self.0.partition_point(|&(s, _)| s < size);
+        let (s, n) = &mut self.0[i];
+        debug_assert!(*s == size && *n > 0, "a size held");
+        *n -= 1;
+        if *n == 0 {
+            self.0.remove(i);
+        }
+        size
+    }
+
+    /// As [`best_cover`]: the smallest size of at least `left`, else the
+    /// largest.
+    fn take_best_cover(&mut self, left: u64) -> Option<u64> {
+        let i = self.0.partition_point(|&(s, _)| s < left);
+        let &(size, _) = self.0.get(i).or(self.0.last())?;
+        Some(self.take(size))
+    }
+
+    /// The largest size of at most `left`.
+    fn take_largest_within(&mut self, left: u64) -> Option<u64> {
+        let i = self.0.partition_point(|&(s, _)| s <= left);
+        let &(size, _) = self.0.get(i.checked_sub(1)?)?;
+        Some(self.take(size))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,11 +455,15 @@ mod tests {
             mapped: &[],
             tails,
             gaps,
-            spares,
+            spares: sizes(spares),
             units,
             granule: G,
             chunk_size: 16 * G,
         }
+    }
+
+    fn sizes(of: &[u64]) -> Sizes {
+        Sizes::of(of.iter().map(|&size| (size, 1)))
     }
 
     fn mapped(start: u64, len: u64, head: u64, tail: u64) -> Mapped {
@@ -554,13 +605,7 @@ mod tests {
         assert_eq!(plan.target.start, 100 * G);
         assert_eq!(
             plan.sources,
-            vec![
-                Source::Spare {
-                    index: 0,
-                    size: 6 * G
-                },
-                Source::New { size: 4 * G }
-            ]
+            vec![Source::Spare { size: 6 * G }, Source::New { size: 4 * G }]
         );
     }
 
@@ -582,25 +627,22 @@ mod tests {
     fn unused_memory_before_new() {
         let plan = plan_sources(
             10 * G,
-            &[G, 3 * G],
+            &sizes(&[G, 3 * G]),
             &[unit(100 * G, 2 * G), unit(50 * G, 8 * G)],
             G,
         );
         assert_eq!(
             plan,
             vec![
-                Source::Spare {
-                    index: 1,
-                    size: 3 * G
-                },
-                Source::Spare { index: 0, size: G },
+                Source::Spare { size: 3 * G },
+                Source::Spare { size: G },
                 Source::Unit {
                     va: 50 * G,
                     size: 8 * G
                 },
             ]
         );
-        let plan = plan_sources(40 * G, &[], &[], 16 * G);
+        let plan = plan_sources(40 * G, &sizes(&[]), &[], 16 * G);
         assert_eq!(
             plan,
             vec![
@@ -621,7 +663,7 @@ mod tests {
         ) {
             let spares: Vec<u64> = spares.iter().map(|s| s * G).collect();
             let units: Vec<UnitSize> = units.iter().enumerate().map(|(i, l)| unit(i as u64 * 100 * G, l * G)).collect();
-            let plan = plan_sources(need * G, &spares, &units, chunk * G);
+            let plan = plan_sources(need * G, &sizes(&spares), &units, chunk * G);
             let total: u64 = plan.iter().map(Source::size).sum();
             prop_assert!(total >= need * G);
             let available: u64 = spares.iter().sum::<u64>() + units.iter().map(|u| u.size).sum::<u64>();

@@ -96,6 +96,9 @@ pub(crate) struct Space<B: Backend> {
     /// chunk of the same size at the same place takes one without a
     /// driver call (Note [Starting afresh] in docs/DESIGN.md).
     parked: BTreeMap<Va, Mapping<B>>,
+    /// How many spare chunks, unmapped or parked, the space holds of each
+    /// size: what growth plans with, kept as they come and go.
+    spare_counts: BTreeMap<u64, usize>,
     /// Mappings that could be neither given access nor unmapped: out of
     /// service, kept so their chunks stay accounted for.
     quarantine: Vec<Mapping<B>>,
@@ -128,6 +131,7 @@ impl<B: Backend> Space<B> {
             units: BTreeMap::new(),
             spares: Vec::new(),
             parked: BTreeMap::new(),
+            spare_counts: BTreeMap::new(),
             quarantine: Vec::new(),
             unreleased: Vec::new(),
             aliases: BTreeMap::new(),
@@ -163,13 +167,28 @@ impl<B: Backend> Space<B> {
             .map(|c| (c.handle().0, c.size() as u64))
     }
 
-    /// The sizes of the spare chunks, unmapped then parked: what growth
-    /// may map without creating memory.
-    pub(crate) fn spare_sizes(&self) -> Vec<u64> {
-        let unmapped = self.spares.iter().map(|c| c.size() as u64);
-        unmapped
-            .chain(self.parked.values().map(|m| m.size() as u64))
-            .collect()
+    /// How many spare chunks, unmapped or parked, the space holds of each
+    /// size, smallest first: what growth may map without creating memory.
+    pub(crate) fn spare_counts(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        self.spare_counts.iter().map(|(&size, &n)| (size, n))
+    }
+
+    /// One more spare chunk of `size` bytes.
+    fn spare_in(&mut self, size: u64) {
+        *self.spare_counts.entry(size).or_default() += 1;
+    }
+
+    /// One spare chunk of `size` bytes fewer: mapped as a unit, or
+    /// released.
+    fn spare_out(&mut self, size: u64) {
+        let n = self
+            .spare_counts
+            .get_mut(&size)
+            .expect("a spare of that size");
+        *n -= 1;
+        if *n == 0 {
+            self.spare_counts.remove(&size);
+        }
     }
 
     pub(crate) fn reserved(&self) -> u64 {
@@ -193,7 +212,7 @@ impl<B: Backend> Space<B> {
     }
 
     pub(crate) fn spare_bytes(&self) -> u64 {
-        self.spare_sizes().iter().sum()
+        self.spare_counts().map(|(size, n)| size * n as u64).sum()
     }
 
     pub(crate) fn unit_views(&self) -> Vec<UnitView> {
@@ -233,19 +252,24 @@ impl<B: Backend> Space<B> {
     /// mapped: a spare chunk that growth may map again in place.
     pub(crate) fn park(&mut self, va: Va) {
         let mapping = self.remove_unit(va);
+        self.spare_in(mapping.size() as u64);
         self.parked.insert(va, mapping);
     }
 
     /// Takes out the chunk parked at `va` if it is of `size` bytes, still
     /// mapped there.
     pub(crate) fn take_parked_at(&mut self, va: Va, size: u64) -> Option<Mapping<B>> {
-        let fits = self.parked.get(&va)?.size() as u64 == size;
-        fits.then(|| self.parked.remove(&va).expect("looked up above"))
+        if self.parked.get(&va)?.size() as u64 != size {
+            return None;
+        }
+        self.spare_out(size);
+        self.parked.remove(&va)
     }
 
     /// Parks again a unit [`Space::take_parked_at`] took out and growth
     /// did not use.
     pub(crate) fn repark(&mut self, mapping: Mapping<B>) {
+        self.spare_in(mapping.size() as u64);
         self.parked.insert(Va(mapping.va().0), mapping);
     }
 
@@ -277,6 +301,7 @@ impl<B: Backend> Space<B> {
     /// docs/RESULTS.md, "Fresh starts that keep their chunks mapped").
     pub(crate) fn take_spare(&mut self, size: u64) -> Result<Option<Arc<Chunk<B>>>> {
         if let Some(i) = self.spares.iter().position(|c| c.size() as u64 == size) {
+            self.spare_out(size);
             return Ok(Some(self.spares.swap_remove(i)));
         }
         let Some(va) = self
@@ -289,6 +314,7 @@ impl<B: Backend> Space<B> {
             return Ok(None);
         };
         self.unpark(va)?;
+        self.spare_out(size);
         Ok(self.spares.pop())
     }
 
@@ -311,6 +337,7 @@ impl<B: Backend> Space<B> {
     /// the alias hands it over when it goes.
     pub(crate) fn keep_spare(&mut self, chunk: Arc<Chunk<B>>) {
         if Arc::strong_count(&chunk) == 1 {
+            self.spare_in(chunk.size() as u64);
             self.spares.push(chunk);
         }
     }
@@ -551,6 +578,7 @@ impl<B: Backend> Space<B> {
             self.release_parked(va);
         }
         for chunk in std::mem::take(&mut self.spares) {
+            self.spare_out(chunk.size() as u64);
             self.release(chunk);
         }
     }
@@ -560,7 +588,10 @@ impl<B: Backend> Space<B> {
     fn release_parked(&mut self, va: Va) {
         let mapping = self.parked.remove(&va).expect("a chunk is parked there");
         match self.unmap(mapping) {
-            Ok(chunk) => self.release(chunk),
+            Ok(chunk) => {
+                self.spare_out(chunk.size() as u64);
+                self.release(chunk);
+            }
             Err((err, mapping)) => {
                 tracing::warn!(%err, va = %mapping.va(), "could not unmap a parked chunk; it stays");
                 self.parked.insert(va, mapping);
@@ -599,6 +630,7 @@ impl<B: Backend> Space<B> {
         self.spares.sort_by_key(|c| std::cmp::Reverse(c.size()));
         let going: Vec<Arc<Chunk<B>>> = self.spares.drain(..unmapped).collect();
         for chunk in going {
+            self.spare_out(chunk.size() as u64);
             self.release(chunk);
         }
     }
@@ -683,6 +715,17 @@ impl<B: Backend> Space<B> {
         }
         for c in &self.spares {
             hold(c, problems);
+        }
+        let mut spare_counts: BTreeMap<u64, usize> = BTreeMap::new();
+        let sizes = self.spares.iter().map(|c| c.size() as u64);
+        for size in sizes.chain(self.parked.values().map(|m| m.size() as u64)) {
+            *spare_counts.entry(size).or_default() += 1;
+        }
+        if spare_counts != self.spare_counts {
+            problems.push(format!(
+                "spares by size {spare_counts:?} but counted {:?}",
+                self.spare_counts
+            ));
         }
         for (&va, m) in &self.parked {
             hold(m.chunk(), problems);
