@@ -87,12 +87,13 @@ pub struct PoolStats {
     pub reserved_bytes: u64,
     /// Bytes of live allocations now, as asked for.
     pub used_bytes: u64,
-    /// Bytes mapped in the pool's range now.
+    /// Bytes of the units mapped in the pool's range now (parked spare
+    /// chunks, mapped but out of use, count in `spare_bytes`).
     pub mapped_bytes: u64,
     /// Bytes of spare chunks, held unused for the next growth: unmapped,
     /// or parked where a fresh start left them mapped.
     pub spare_bytes: u64,
-    /// Chunks mapped now.
+    /// Chunks mapped as units now.
     pub units: u64,
     /// The largest free block of mapped space, in bytes.
     pub largest_free_range: u64,
