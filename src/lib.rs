@@ -42,8 +42,9 @@ pub use mem_pools::{
 pub use ordering::{Event, Stream};
 pub use pool::{Pool, Retention, SleepLevel, SleepReport, WakeReport};
 pub use props::{
-    parse_bytes, parse_chunk_divisor, parse_handle_type, Defragment, HandleType, PoolProps,
-    DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW, SMALL_LIMIT,
+    parse_bytes, parse_chunk_divisor, parse_fresh_start, parse_handle_type, Defragment, FreshStart,
+    HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW,
+    SMALL_LIMIT,
 };
 pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, UnitView};
 pub use steps::StepCounters;

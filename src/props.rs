@@ -48,6 +48,9 @@ pub struct PoolProps {
     /// Which unused chunks growth may remap into the new range (see
     /// [`Defragment`]); [`Defragment::Units`] by default.
     pub defragment: Defragment,
+    /// What the pool does once the program has emptied it (see
+    /// [`FreshStart`]); [`FreshStart::WhenEmptied`] by default.
+    pub fresh_start: FreshStart,
     /// Record every allocation and free of the pool to this file, in the
     /// shared trace format (`vmpool-replay` replays it). `None`: the
     /// environment variable `VMPOOL_RECORD`, if set, names a path prefix,
@@ -59,6 +62,23 @@ pub struct PoolProps {
     /// registrable with NCCL (`ncclCommRegister`): see Note [NCCL
     /// registration] in docs/DESIGN.md.
     pub handle_type: HandleType,
+}
+
+/// What a pool does once the program has held none of its bytes, after
+/// growth moved units ([`PoolProps::fresh_start`]; Note [Starting afresh]
+/// in docs/DESIGN.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FreshStart {
+    /// Lays out what comes next as from empty, its free units parked in
+    /// place (the default): work repeated on an emptied pool keeps the
+    /// first pass's footprint, at the price of growing and laying out again
+    /// after each emptying (docs/RESULTS.md, "Fresh starts that keep their
+    /// chunks mapped").
+    #[default]
+    WhenEmptied,
+    /// Keeps the layout the last work left: repeated work grows less, but
+    /// its footprint may creep from one emptying to the next.
+    Never,
 }
 
 /// Which unused memory growth may move into a new range
@@ -113,6 +133,23 @@ pub fn parse_handle_type(text: &str) -> std::result::Result<HandleType, String> 
     }
 }
 
+/// A [`FreshStart`] from its text form, as `vmpool-replay` and the C
+/// layer read it: `when-emptied` or `never`, in any case.
+///
+/// ```
+/// use vmpool::{parse_fresh_start, FreshStart};
+/// assert_eq!(parse_fresh_start("never"), Ok(FreshStart::Never));
+/// assert_eq!(parse_fresh_start(" When-Emptied "), Ok(FreshStart::WhenEmptied));
+/// assert!(parse_fresh_start("off").is_err());
+/// ```
+pub fn parse_fresh_start(text: &str) -> std::result::Result<FreshStart, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "when-emptied" => Ok(FreshStart::WhenEmptied),
+        "never" => Ok(FreshStart::Never),
+        _ => Err(format!("{text:?}: expected when-emptied or never")),
+    }
+}
+
 impl PoolProps {
     /// The defaults for a pool on `device`: no size limit, growth chunks of
     /// at most [`DEFAULT_CHUNK_SIZE`] and a [`DEFAULT_CHUNK_DIVISOR`]th of the
@@ -127,6 +164,7 @@ impl PoolProps {
             granule_growth_below: DEFAULT_GRANULE_GROWTH_BELOW,
             va_size: None,
             defragment: Defragment::Units,
+            fresh_start: FreshStart::WhenEmptied,
             record: None,
             handle_type: HandleType::None,
         }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{
-    Allocation, Context, Defragment, Error, PoolAttribute, PoolProps, SleepLevel, SMALL_LIMIT,
+    Allocation, Context, Defragment, Error, FreshStart, PoolAttribute, PoolProps, SleepLevel,
+    SMALL_LIMIT,
 };
 
 mod common;
@@ -300,6 +301,40 @@ pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().unmaps, unmaps);
     assert_eq!(again.ptr(), first);
     pool.free(again).unwrap();
+}
+
+/// With `FreshStart::Never`, an emptied pool keeps the layout the last work
+/// left: nothing is parked or moved when the next work begins.
+pub fn a_pool_told_never_to_start_afresh_keeps_its_layout<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let pool = ctx
+        .create_pool(&PoolProps {
+            va_size: Some(4 << 30),
+            chunk_size: Some(g),
+            chunk_divisor: None,
+            fresh_start: FreshStart::Never,
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    let x = pool.allocate(g).unwrap();
+    let y = pool.allocate(g).unwrap();
+    let z = pool.allocate(g).unwrap();
+    pool.free(x).unwrap();
+    pool.free(z).unwrap();
+    let v = pool.allocate(2 * g).unwrap();
+    assert!(pool.stats().remaps > 0, "the case needs a move");
+    pool.free(v).unwrap();
+    pool.free(y).unwrap();
+    let before = pool.stats();
+    let next = pool.allocate(g).unwrap();
+    let after = pool.stats();
+    assert_eq!(after.spare_bytes, 0, "nothing parked");
+    assert_eq!(after.units, before.units);
+    assert_eq!(after.unmaps, before.unmaps);
+    assert_eq!(after.maps, before.maps);
+    pool.free(next).unwrap();
+    pool.audit().unwrap();
 }
 
 /// A fresh start keeps its chunks mapped where they were (parked): the
@@ -703,6 +738,7 @@ suites!(
     growth_moves_whole_free_blocks_first,
     an_emptied_pool_starts_afresh,
     a_fresh_start_maps_again_in_place,
+    a_pool_told_never_to_start_afresh_keeps_its_layout,
     small_allocations_are_packed,
     checkerboard_is_served_by_remapping,
     trim_returns_every_chunk,

@@ -90,6 +90,10 @@ pub struct Config {
     /// `VMPOOL_VA_SIZE`: the address space each device's pool reserves
     /// (`PoolProps::va_size`); default four times the device's memory.
     pub va_size: Option<u64>,
+    /// `VMPOOL_FRESH_START`: `never` to keep the layout the last work left
+    /// when the program empties a pool (`PoolProps::fresh_start`); default
+    /// `when-emptied`.
+    pub fresh_start: vmpool::FreshStart,
     /// `VMPOOL_HANDLE_TYPE`: `posix_fd` to create every pool's chunks
     /// exportable, so that NCCL can register the memory (Note [NCCL
     /// registration] in docs/DESIGN.md); default `none`.
@@ -164,6 +168,14 @@ impl Config {
                 bytes => Some(bytes),
             },
         };
+        let fresh_start = match lookup("VMPOOL_FRESH_START") {
+            None => vmpool::FreshStart::WhenEmptied,
+            Some(v) => vmpool::parse_fresh_start(&v).map_err(|_| ConfigError::Other {
+                name: "VMPOOL_FRESH_START",
+                value: v,
+                expected: "when-emptied or never",
+            })?,
+        };
         let handle_type = match lookup("VMPOOL_HANDLE_TYPE") {
             None => vmpool::HandleType::None,
             Some(v) => vmpool::parse_handle_type(&v).map_err(|_| ConfigError::Other {
@@ -191,6 +203,7 @@ impl Config {
                 vmpool::DEFAULT_GRANULE_GROWTH_BELOW,
             )?,
             va_size,
+            fresh_start,
             handle_type,
             host_devices,
             host_memory: bytes("VMPOOL_HOST_MEMORY", 4 << 30)?,
@@ -232,6 +245,16 @@ mod tests {
             err.to_string().contains("VMPOOL_GRANULE_GROWTH_BELOW"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn fresh_start() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.fresh_start, vmpool::FreshStart::WhenEmptied);
+        let c = config(&[("VMPOOL_FRESH_START", "never")]).unwrap();
+        assert_eq!(c.fresh_start, vmpool::FreshStart::Never);
+        let err = config(&[("VMPOOL_FRESH_START", "off")]).unwrap_err();
+        assert!(err.to_string().contains("VMPOOL_FRESH_START"), "{err}");
     }
 
     #[test]

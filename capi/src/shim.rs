@@ -146,6 +146,7 @@ fn pool_props(config: &Config, device: DeviceId) -> PoolProps {
         chunk_size: config.chunk_size,
         chunk_divisor: config.chunk_divisor,
         granule_growth_below: config.granule_growth_below,
+        fresh_start: config.fresh_start,
         handle_type: config.handle_type,
         ..PoolProps::new(device)
     }

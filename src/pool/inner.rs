@@ -10,7 +10,7 @@ use crate::arena::{ArenaId, Arenas};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, Pending, StreamPos, StreamShared, Streams};
-use crate::props::Defragment;
+use crate::props::{Defragment, FreshStart};
 use crate::space::Space;
 use crate::{Error, Result};
 
@@ -109,6 +109,7 @@ pub(super) struct Inner<B: Backend> {
     /// Growth's count of moved units when the pool last started afresh.
     remaps_at_fresh: u64,
     pub(super) defragment: Defragment,
+    fresh_start: FreshStart,
     /// The pool's id, for the logs.
     pool: u64,
     pub(super) calls: CallCounters,
@@ -134,6 +135,7 @@ impl<B: Backend> Inner<B> {
         space: Space<B>,
         streams: Streams<B>,
         defragment: Defragment,
+        fresh_start: FreshStart,
         pool: u64,
         planned_frees: Arc<AtomicU64>,
     ) -> Self {
@@ -149,6 +151,7 @@ impl<B: Backend> Inner<B> {
             release_threshold: 0,
             remaps_at_fresh: 0,
             defragment,
+            fresh_start,
             pool,
             calls: CallCounters::default(),
             growth: GrowthCounters::default(),
@@ -258,7 +261,7 @@ impl<B: Backend> Inner<B> {
     /// with growth having moved units since the pool last started afresh
     /// (Note [Starting afresh]).
     fn emptied(&self, stream: Option<&Arc<StreamShared<B>>>) -> bool {
-        if self.growth.remaps == self.remaps_at_fresh {
+        if !self.may_start_afresh() {
             return false;
         }
         let held = self.usage.used - self.usage.idle;
@@ -271,7 +274,13 @@ impl<B: Backend> Inner<B> {
     /// exactly, every stream's credit and the planned frees taken in (the
     /// look [`Inner::allocate`] makes reads the allocating stream's alone).
     pub(super) fn empty_now(&self) -> bool {
-        self.growth.remaps != self.remaps_at_fresh && self.used_bytes() == 0
+        self.may_start_afresh() && self.used_bytes() == 0
+    }
+
+    /// Whether an emptied pool would start afresh: the setting allows it,
+    /// and growth has moved units since the pool last did.
+    fn may_start_afresh(&self) -> bool {
+        self.fresh_start == FreshStart::WhenEmptied && self.growth.remaps != self.remaps_at_fresh
     }
 
     /// Unmaps every unit with no live byte, keeping its chunk spare, so

@@ -197,6 +197,7 @@ impl<B: Backend> Pool<B> {
                 space,
                 streams,
                 props.defragment,
+                props.fresh_start,
                 id,
                 Arc::clone(&planned_frees),
             )),

@@ -159,7 +159,8 @@ fn a_bridge_that_moves_and_releases_runs_through() {
 /// A trace replayed again and again on one pool, each pass a new model on
 /// it (the pool empty in between), ends where its first pass did (Note
 /// [Starting afresh]); with 2 MiB held throughout, the pool never empties,
-/// and ViT's trace creeps as it did before the pool started afresh.
+/// and ViT's trace creeps as it did before the pool started afresh; so it
+/// does with `--fresh-start never`.
 #[test]
 fn passes_on_an_emptied_pool_end_where_the_first_did() {
     let trace = concat!(
@@ -187,6 +188,8 @@ fn passes_on_an_emptied_pool_end_where_the_first_did() {
     assert_eq!(fresh.first(), fresh.last(), "{fresh:?}");
     let held = ratios(&["--hold", "2MiB"]);
     assert!(held[4] > held[0] + 0.01, "{held:?}");
+    let kept = ratios(&["--fresh-start", "never"]);
+    assert!(kept[4] > kept[0] + 0.01, "{kept:?}");
 }
 
 fn replay(args: &[&str]) -> std::process::Output {

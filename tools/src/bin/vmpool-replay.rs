@@ -2,7 +2,7 @@
 //!
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
-//!                   [--defragment off|units|whole-regions]
+//!                   [--defragment off|units|whole-regions] [--fresh-start when-emptied|never]
 //!                   [--passes N] [--mark-passes] [--hold BYTES] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
@@ -23,7 +23,8 @@
 //! pass to after the last, as a program that keeps something (a dataset,
 //! a cache) while its models come and go: the pool is then never empty
 //! between passes, and does not start afresh there (Note [Starting
-//! afresh]).
+//! afresh]); `--fresh-start never` keeps each pass's layout for the next
+//! with nothing held.
 
 use std::fs::File;
 use std::io::IsTerminal;
@@ -37,7 +38,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
-use vmpool::{Context, Defragment, PoolAttribute, PoolProps};
+use vmpool::{Context, Defragment, FreshStart, PoolAttribute, PoolProps};
 
 use vmpool_tools::{BackendKind, Bytes};
 
@@ -130,6 +131,11 @@ struct Args {
     /// (`whole-regions`).
     #[arg(long, value_enum, default_value = "units")]
     defragment: DefragmentArg,
+    /// vmpool only: what the pool does once the replay has emptied it
+    /// (`PoolProps::fresh_start`): lay out the next pass as from empty
+    /// (`when-emptied`), or keep the last pass's layout (`never`).
+    #[arg(long, value_parser = vmpool::parse_fresh_start, default_value = "when-emptied")]
+    fresh_start: FreshStart,
     /// Replay the trace this many times on the same allocator, freeing
     /// what is still live at the end of each pass.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -530,6 +536,9 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.mark_passes && args.allocator != AllocatorKind::Vmpool {
         bail!("--mark-passes is for vmpool");
     }
+    if args.fresh_start != FreshStart::WhenEmptied && args.allocator != AllocatorKind::Vmpool {
+        bail!("--fresh-start is for vmpool");
+    }
     let schedule = Schedule {
         passes: args.passes as usize,
         marks: if args.mark_passes {
@@ -548,6 +557,7 @@ fn replay_main(args: &Args) -> Result<()> {
         granule_growth_below: args.granule_growth_below.0,
         va_size: args.va_size.map(|b| b.0),
         defragment: args.defragment.into(),
+        fresh_start: args.fresh_start,
         ..PoolProps::new(DeviceId(0))
     };
     if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
@@ -599,6 +609,9 @@ fn replay_main(args: &Args) -> Result<()> {
         DefragmentArg::Off => allocator += " (no defragmentation)",
         DefragmentArg::WholeRegions => allocator += " (moving whole free regions only)",
         DefragmentArg::Units => {}
+    }
+    if args.fresh_start == FreshStart::Never {
+        allocator += " (no fresh starts)";
     }
     if args.json {
         println!(
