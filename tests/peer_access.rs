@@ -176,6 +176,54 @@ pub fn access_follows_growth_and_remaps<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// Chunks a fresh start parks (Note [Starting afresh]) get access changed
+/// while they are parked, so that growth can take them in place, with no
+/// driver call, and the peer can use them.
+pub fn parked_chunks_follow_access_changes<B: TestBackend>(b: &Arc<B>) {
+    two_devices(b);
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = granule_pool(&ctx);
+    let g = b.granularity(D0).unwrap() as u64;
+    // A checkerboard, then a range larger than any hole: remapped chunks.
+    let pass = || -> Vec<Allocation> {
+        let (mut keep, mut holes) = (Vec::new(), Vec::new());
+        for i in 0..9 {
+            let a = pool.allocate(g).unwrap();
+            if i % 2 == 0 {
+                keep.push(a)
+            } else {
+                holes.push(a)
+            }
+        }
+        for a in holes {
+            pool.free(a).unwrap();
+        }
+        keep.push(pool.allocate(3 * g).unwrap());
+        keep
+    };
+    for a in pass() {
+        pool.free(a).unwrap();
+    }
+    assert!(pool.stats().remaps > 0, "the case needs a move");
+    // Emptied: the next allocation starts afresh and parks the rest.
+    let first = pool.allocate(g).unwrap();
+    assert!(pool.stats().spare_bytes > 0, "parked");
+    pool.set_access(D1, Access::ReadWrite).unwrap();
+    pool.free(first).unwrap();
+    let maps = pool.stats().maps;
+    let live = pass();
+    let units = pool.snapshot().units.len();
+    assert!(
+        pool.stats().maps - maps < units as u64,
+        "some chunks were taken in place"
+    );
+    assert_eq!(driver_access(&pool, D1), all(Access::ReadWrite, units));
+    for a in live {
+        pool.free(a).unwrap();
+    }
+    pool.audit().unwrap();
+}
+
 /// Each device's default pool allocates on its own device, and the other
 /// device may not touch it until given access.
 pub fn per_device_pools<B: TestBackend>(b: &Arc<B>) {
@@ -253,6 +301,11 @@ macro_rules! suite {
             $(#[$multi])*
             fn access_follows_growth_and_remaps() {
                 super::access_follows_growth_and_remaps(&$open());
+            }
+            #[test]
+            $(#[$multi])*
+            fn parked_chunks_follow_access_changes() {
+                super::parked_chunks_follow_access_changes(&$open());
             }
             #[test]
             $(#[$multi])*
