@@ -493,6 +493,14 @@ impl<B: Backend> Space<B> {
         std::mem::forget(std::mem::take(&mut self.quarantine));
     }
 
+    /// Whether `[va, va + size)` overlaps a unit.
+    fn overlaps_a_unit(&self, va: Va, size: u64) -> bool {
+        self.units
+            .range(..va + size)
+            .next_back()
+            .is_some_and(|(&u, m)| u + m.size() as u64 > va)
+    }
+
     /// Checks the space's own tables: units that overlap, chunks held
     /// twice, aliases over units or of streams `registered` does not know,
     /// and the reserved count against the chunks held. Returns the bytes
@@ -534,13 +542,7 @@ impl<B: Backend> Space<B> {
         }
         for (&va, m) in &self.parked {
             hold(m.chunk(), problems);
-            let end = va + m.size() as u64;
-            if self
-                .units
-                .range(..end)
-                .next_back()
-                .is_some_and(|(&u, m)| u + m.size() as u64 > va)
-            {
+            if self.overlaps_a_unit(va, m.size() as u64) {
                 problems.push(format!("parked chunk at {va:#x} overlaps a unit"));
             }
         }
@@ -554,13 +556,7 @@ impl<B: Backend> Space<B> {
         for (&va, a) in &self.aliases {
             let c = a.mapping.chunk();
             chunks.entry(c.handle()).or_insert(c.size() as u64);
-            let end = va + a.mapping.size() as u64;
-            if self
-                .units
-                .range(..end)
-                .next_back()
-                .is_some_and(|(&u, m)| u + m.size() as u64 > va)
-            {
+            if self.overlaps_a_unit(va, a.mapping.size() as u64) {
                 problems.push(format!("alias at {va:#x} overlaps a unit"));
             }
             if !registered(a.until.stream) {

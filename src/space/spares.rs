@@ -115,9 +115,7 @@ impl<B: Backend> Space<B> {
         else {
             return Ok(None);
         };
-        self.unpark(va)?;
-        self.spare_out(size);
-        Ok(self.spares.pop())
+        self.take_unparked(va).map(Some)
     }
 
     /// Unmaps the chunk parked at `va` into the spares.
@@ -133,6 +131,14 @@ impl<B: Backend> Space<B> {
                 Err(err)
             }
         }
+    }
+
+    /// Unmaps the chunk parked at `va` and takes it out of the spares.
+    fn take_unparked(&mut self, va: Va) -> Result<Arc<Chunk<B>>> {
+        self.unpark(va)?;
+        let chunk = self.spares.pop().expect("unparked just now");
+        self.spare_out(chunk.size() as u64);
+        Ok(chunk)
     }
 
     /// Keeps an unused chunk for later, unless an alias still maps it: then
@@ -169,15 +175,10 @@ impl<B: Backend> Space<B> {
     /// Unmaps and releases the chunk parked at `va`; one that will not
     /// unmap stays parked, for a later trim.
     fn release_parked(&mut self, va: Va) {
-        let mapping = self.parked.remove(&va).expect("a chunk is parked there");
-        match self.unmap(mapping) {
-            Ok(chunk) => {
-                self.spare_out(chunk.size() as u64);
-                self.release(chunk);
-            }
-            Err((err, mapping)) => {
-                tracing::warn!(%err, va = %mapping.va(), "could not unmap a parked chunk; it stays");
-                self.parked.insert(va, mapping);
+        match self.take_unparked(va) {
+            Ok(chunk) => self.release(chunk),
+            Err(err) => {
+                tracing::warn!(%err, va = format_args!("{va:#x}"), "could not unmap a parked chunk; it stays")
             }
         }
     }
