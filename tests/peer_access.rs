@@ -128,15 +128,10 @@ pub fn peer_reads_and_writes_after_access_is_granted<B: TestBackend>(b: &Arc<B>)
     pool.audit().unwrap();
 }
 
-/// Memory mapped after access was granted (growth, and free chunks remapped
-/// into a new range) gets it too; revoking it takes it from everything.
-pub fn access_follows_growth_and_remaps<B: TestBackend>(b: &Arc<B>) {
-    two_devices(b);
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = granule_pool(&ctx);
-    let g = b.granularity(D0).unwrap() as u64;
-    pool.set_access(D1, Access::ReadWrite).unwrap();
-    // A checkerboard, then a range larger than any hole: remapped chunks.
+/// A checkerboard of granules, every other one freed, then a range larger
+/// than any hole, served by remapping the free chunks: the granules kept,
+/// and the range.
+fn checkerboard<B: TestBackend>(pool: &Pool<B>, g: u64) -> (Vec<Allocation>, Allocation) {
     let (mut keep, mut holes) = (Vec::new(), Vec::new());
     for i in 0..9 {
         let a = pool.allocate(g).unwrap();
@@ -149,7 +144,18 @@ pub fn access_follows_growth_and_remaps<B: TestBackend>(b: &Arc<B>) {
     for a in holes {
         pool.free(a).unwrap();
     }
-    let big = pool.allocate(3 * g).unwrap();
+    (keep, pool.allocate(3 * g).unwrap())
+}
+
+/// Memory mapped after access was granted (growth, and free chunks remapped
+/// into a new range) gets it too; revoking it takes it from everything.
+pub fn access_follows_growth_and_remaps<B: TestBackend>(b: &Arc<B>) {
+    two_devices(b);
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = granule_pool(&ctx);
+    let g = b.granularity(D0).unwrap() as u64;
+    pool.set_access(D1, Access::ReadWrite).unwrap();
+    let (keep, big) = checkerboard(&pool, g);
     assert!(pool.stats().remaps > 0, "{:?}", pool.stats());
     let units = pool.snapshot().units.len();
     assert_eq!(driver_access(&pool, D1), all(Access::ReadWrite, units));
@@ -184,21 +190,9 @@ pub fn parked_chunks_follow_access_changes<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = granule_pool(&ctx);
     let g = b.granularity(D0).unwrap() as u64;
-    // A checkerboard, then a range larger than any hole: remapped chunks.
     let pass = || -> Vec<Allocation> {
-        let (mut keep, mut holes) = (Vec::new(), Vec::new());
-        for i in 0..9 {
-            let a = pool.allocate(g).unwrap();
-            if i % 2 == 0 {
-                keep.push(a)
-            } else {
-                holes.push(a)
-            }
-        }
-        for a in holes {
-            pool.free(a).unwrap();
-        }
-        keep.push(pool.allocate(3 * g).unwrap());
+        let (mut keep, big) = checkerboard(&pool, g);
+        keep.push(big);
         keep
     };
     for a in pass() {

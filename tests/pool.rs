@@ -53,6 +53,23 @@ fn pool_reserving<B: TestBackend>(ctx: &Context<B>, va_size: u64) -> vmpool::Poo
     .unwrap()
 }
 
+/// A pool whose growth chunks are all one granule, `g` (no divisor), and
+/// that does `fresh_start` when emptied.
+fn granule_unit_pool<B: TestBackend>(
+    ctx: &Context<B>,
+    g: u64,
+    fresh_start: FreshStart,
+) -> vmpool::Pool<B> {
+    ctx.create_pool(&PoolProps {
+        va_size: Some(4 << 30),
+        chunk_size: Some(g),
+        chunk_divisor: None,
+        fresh_start,
+        ..PoolProps::new(DEV)
+    })
+    .unwrap()
+}
+
 pub fn sizes_and_alignment<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = small_pool(&ctx);
@@ -256,14 +273,7 @@ pub fn growth_moves_whole_free_blocks_first<B: TestBackend>(b: &Arc<B>) {
 pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
-    let pool = ctx
-        .create_pool(&PoolProps {
-            va_size: Some(4 << 30),
-            chunk_size: Some(g),
-            chunk_divisor: None,
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = granule_unit_pool(&ctx, g, FreshStart::WhenEmptied);
     // [x | y | z], a granule each; with x and z freed, two granules in one
     // piece come from moving their units.
     let x = pool.allocate(g).unwrap();
@@ -308,15 +318,7 @@ pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
 pub fn a_pool_told_never_to_start_afresh_keeps_its_layout<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
-    let pool = ctx
-        .create_pool(&PoolProps {
-            va_size: Some(4 << 30),
-            chunk_size: Some(g),
-            chunk_divisor: None,
-            fresh_start: FreshStart::Never,
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = granule_unit_pool(&ctx, g, FreshStart::Never);
     let x = pool.allocate(g).unwrap();
     let y = pool.allocate(g).unwrap();
     let z = pool.allocate(g).unwrap();
@@ -345,14 +347,7 @@ pub fn a_pool_told_never_to_start_afresh_keeps_its_layout<B: TestBackend>(b: &Ar
 pub fn a_fresh_start_maps_again_in_place<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
-    let pool = ctx
-        .create_pool(&PoolProps {
-            va_size: Some(4 << 30),
-            chunk_size: Some(g),
-            chunk_divisor: None,
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = granule_unit_pool(&ctx, g, FreshStart::WhenEmptied);
     // [a: 4 units | x | y | z]; x and z freed, then x's unit moved beside
     // z's to make v.
     let pass = || -> Vec<u64> {
