@@ -1,9 +1,12 @@
 //! A backend wrapper that makes a chosen driver call fail, for testing how
-//! the layers above recover. Works over any backend.
+//! the layers above recover, or runs a chosen action right after one, for
+//! testing what another thread's calls landing there do. Works over any
+//! backend.
 //!
 //! ```text
 //! let b = Faulty::new(Host::new(cfg)?);
 //! b.fail_nth(Call::Map, 3);   // the 4th map from now fails, once
+//! b.interleave(Call::RecordEvent, Box::new(|| { /* other calls */ }));
 //! ```
 
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -81,7 +84,12 @@ pub struct Faulty<B: Backend> {
     /// The calls to fail, each with how many more of it to let through
     /// first.
     armed: Mutex<Vec<(Call, u64)>>,
+    /// Actions to run once, each right after the next call of its kind.
+    interleaved: Mutex<Vec<(Call, Interleaved)>>,
 }
+
+/// An action [`Faulty::interleave`] runs inside a call.
+pub type Interleaved = Box<dyn FnOnce() + Send>;
 
 impl<B: Backend> Faulty<B> {
     /// Wraps `inner`, with nothing armed.
@@ -89,6 +97,7 @@ impl<B: Backend> Faulty<B> {
         Arc::new(Self {
             inner,
             armed: Mutex::new(Vec::new()),
+            interleaved: Mutex::new(Vec::new()),
         })
     }
 
@@ -113,6 +122,33 @@ impl<B: Backend> Faulty<B> {
         let all_fired = armed.is_empty();
         armed.clear();
         all_fired
+    }
+
+    /// Runs `action` once, right after the next call of `call` (but the
+    /// pipelined copies) has reached the inner backend, before it returns
+    /// to its caller: as if another thread's calls landed between that
+    /// driver call and what its caller does next.
+    pub fn interleave(&self, call: Call, action: Interleaved) {
+        self.interleaved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((call, action));
+    }
+
+    /// A call that fails if armed to, else reaches the inner backend (`f`)
+    /// and then runs what is interleaved after it.
+    fn pass<T>(&self, call: Call, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.enter(call)?;
+        let result = f();
+        let action = {
+            let mut interleaved = self.interleaved.lock().unwrap_or_else(|p| p.into_inner());
+            let i = interleaved.iter().position(|(c, _)| *c == call);
+            i.map(|i| interleaved.remove(i).1)
+        };
+        if let Some(action) = action {
+            action();
+        }
+        result
     }
 
     fn enter(&self, call: Call) -> Result<()> {
@@ -147,8 +183,7 @@ impl<B: Backend> Backend for Faulty<B> {
     type HostBuffer = B::HostBuffer;
 
     fn alloc_host(&self, size: usize) -> Result<B::HostBuffer> {
-        self.enter(Call::AllocHost)?;
-        self.inner.alloc_host(size)
+        self.pass(Call::AllocHost, || self.inner.alloc_host(size))
     }
     fn copy_device_to_host(
         &self,
@@ -156,8 +191,9 @@ impl<B: Backend> Backend for Faulty<B> {
         ranges: &[HostCopy],
         dst: &mut B::HostBuffer,
     ) -> Result<()> {
-        self.enter(Call::CopyDeviceToHost)?;
-        self.inner.copy_device_to_host(stream, ranges, dst)
+        self.pass(Call::CopyDeviceToHost, || {
+            self.inner.copy_device_to_host(stream, ranges, dst)
+        })
     }
     fn copy_host_to_device(
         &self,
@@ -165,8 +201,9 @@ impl<B: Backend> Backend for Faulty<B> {
         src: &B::HostBuffer,
         ranges: &[HostCopy],
     ) -> Result<()> {
-        self.enter(Call::CopyHostToDevice)?;
-        self.inner.copy_host_to_device(stream, src, ranges)
+        self.pass(Call::CopyHostToDevice, || {
+            self.inner.copy_host_to_device(stream, src, ranges)
+        })
     }
     /// Each batch counts as a call of [`Call::CopyDeviceToHost`]: a fault
     /// at batch `i > 0` comes after `done(i - 1)`, as if batch `i`'s copy
@@ -224,44 +261,39 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.mem_info(device)
     }
     fn reserve(&self, size: usize, alignment: usize) -> Result<DevicePtr> {
-        self.enter(Call::Reserve)?;
-        self.inner.reserve(size, alignment)
+        self.pass(Call::Reserve, || self.inner.reserve(size, alignment))
     }
     fn free_reservation(&self, base: DevicePtr, size: usize) -> Result<()> {
-        self.enter(Call::FreeReservation)?;
-        self.inner.free_reservation(base, size)
+        self.pass(Call::FreeReservation, || {
+            self.inner.free_reservation(base, size)
+        })
     }
     fn create_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
-        self.enter(Call::CreateChunk)?;
-        self.inner.create_chunk(device, size)
+        self.pass(Call::CreateChunk, || self.inner.create_chunk(device, size))
     }
     fn release_chunk(&self, chunk: ChunkHandle) -> Result<()> {
-        self.enter(Call::ReleaseChunk)?;
-        self.inner.release_chunk(chunk)
+        self.pass(Call::ReleaseChunk, || self.inner.release_chunk(chunk))
     }
     fn map(&self, va: DevicePtr, chunk: ChunkHandle) -> Result<()> {
-        self.enter(Call::Map)?;
-        self.inner.map(va, chunk)
+        self.pass(Call::Map, || self.inner.map(va, chunk))
     }
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()> {
-        self.enter(Call::Unmap)?;
-        self.inner.unmap(va, size)
+        self.pass(Call::Unmap, || self.inner.unmap(va, size))
     }
     fn set_access(&self, va: DevicePtr, size: usize, access: &[AccessDesc]) -> Result<()> {
-        self.enter(Call::SetAccess)?;
-        self.inner.set_access(va, size, access)
+        self.pass(Call::SetAccess, || self.inner.set_access(va, size, access))
     }
     fn get_access(&self, va: DevicePtr, device: DeviceId) -> Result<Access> {
         self.inner.get_access(va, device)
     }
     /// Fails as [`Call::CreateChunk`]: it is the same driver call.
     fn create_shareable_chunk(&self, device: DeviceId, size: usize) -> Result<ChunkHandle> {
-        self.enter(Call::CreateChunk)?;
-        self.inner.create_shareable_chunk(device, size)
+        self.pass(Call::CreateChunk, || {
+            self.inner.create_shareable_chunk(device, size)
+        })
     }
     fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {
-        self.enter(Call::ExportChunk)?;
-        self.inner.export_chunk(chunk)
+        self.pass(Call::ExportChunk, || self.inner.export_chunk(chunk))
     }
     fn import_chunk(
         &self,
@@ -269,8 +301,9 @@ impl<B: Backend> Backend for Faulty<B> {
         device: DeviceId,
         size: usize,
     ) -> Result<ChunkHandle> {
-        self.enter(Call::ImportChunk)?;
-        self.inner.import_chunk(fd, device, size)
+        self.pass(Call::ImportChunk, || {
+            self.inner.import_chunk(fd, device, size)
+        })
     }
     fn create_stream(&self, device: DeviceId) -> Result<B::Stream> {
         self.inner.create_stream(device)
@@ -287,12 +320,10 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.stream_capturing(stream)
     }
     fn create_event(&self, device: DeviceId) -> Result<B::Event> {
-        self.enter(Call::CreateEvent)?;
-        self.inner.create_event(device)
+        self.pass(Call::CreateEvent, || self.inner.create_event(device))
     }
     fn record_event(&self, event: &B::Event, stream: &B::Stream) -> Result<()> {
-        self.enter(Call::RecordEvent)?;
-        self.inner.record_event(event, stream)
+        self.pass(Call::RecordEvent, || self.inner.record_event(event, stream))
     }
     fn query_event(&self, event: &B::Event) -> Result<EventStatus> {
         self.inner.query_event(event)
@@ -301,8 +332,9 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.synchronize_event(event)
     }
     fn stream_wait_event(&self, stream: &B::Stream, event: &B::Event) -> Result<()> {
-        self.enter(Call::StreamWaitEvent)?;
-        self.inner.stream_wait_event(stream, event)
+        self.pass(Call::StreamWaitEvent, || {
+            self.inner.stream_wait_event(stream, event)
+        })
     }
 }
 
