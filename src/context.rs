@@ -158,8 +158,9 @@ impl<B: Backend> Context<B> {
                 found: event.device(),
             });
         }
+        let captured = stream.0.capture();
         self.backend.record_event(&event.raw, &stream.0.raw)?;
-        event.capture(&stream.0);
+        event.set_captured(captured);
         Ok(())
     }
 

@@ -537,11 +537,43 @@ fn a_full_device_waits_for_the_frees_of_other_pools() {
     }
 }
 
-// ---- host only: injected faults on the stream-ordered paths --------------------
+// ---- host only: injected faults and interleavings on the stream-ordered paths
 
 mod faults {
     use super::*;
-    use vmpool::vmm::testing::faulty::Call;
+    use vmpool::vmm::testing::faulty::{Call, Faulty};
+
+    /// Another thread queues work on a stream and frees there while an
+    /// event is being recorded on it, after the driver recorded the point:
+    /// the event's completion must not claim that free, whose work comes
+    /// after the point. Claimed, it would be trimmed away (the release
+    /// threshold is 0) under the late write, and the stream fault.
+    #[test]
+    fn a_free_made_while_an_event_records_is_not_claimed_by_it() {
+        let b = Faulty::new(common::host());
+        let (ctx, pool) = setup(&b, ALL_ON);
+        let ctx = Arc::new(ctx);
+        pool.set_attribute(PoolAttribute::ReleaseThreshold, 0)
+            .unwrap();
+        let s = ctx.create_stream(DEV).unwrap();
+        let a = ctx.alloc_async(WHOLE, &s).unwrap();
+        let (other, on) = (Arc::clone(&ctx), s.clone());
+        b.interleave(
+            Call::RecordEvent,
+            Box::new(move || {
+                other.backend().delay(on.raw(), LATE).unwrap();
+                fill(&**other.backend(), &on, &a, 0xA1A1_A1A1);
+                other.free_async(a, &on).unwrap();
+            }),
+        );
+        let e = ctx.create_event(DEV).unwrap();
+        ctx.record_event(&e, &s).unwrap();
+        ctx.synchronize_event(&e).unwrap();
+        assert_eq!(pool.stats().pending_bytes, WHOLE, "the free was claimed");
+        ctx.synchronize_stream(&s).unwrap();
+        assert_eq!(pool.stats().pending_bytes, 0);
+        pool.audit().unwrap();
+    }
 
     /// Cross-stream reuse through every rule, on a pool whose driver calls
     /// may fail: errors are allowed, inconsistency is not.

@@ -101,6 +101,24 @@ impl<B: Backend> StreamShared<B> {
         }
     }
 
+    /// Takes the stream's next position, for an event about to be
+    /// recorded on it: the frees made so far lie below it, those made
+    /// from now on above. Taken before the backend records, never after:
+    /// a free another thread makes on the stream in between lies above
+    /// the position, though the work queued before that free may come
+    /// after the recorded point; the other way round, the event would
+    /// claim that free, and its completion release the memory under
+    /// work still queued.
+    pub(crate) fn capture(&self) -> Captured {
+        let mut st = self.state();
+        st.seq += 1;
+        Captured {
+            stream: self.id,
+            seq: st.seq,
+            clock: st.clock.clone(),
+        }
+    }
+
     /// The last position handed out.
     pub(crate) fn current_seq(&self) -> u64 {
         self.state().seq
@@ -209,18 +227,10 @@ impl<B: Backend> Event<B> {
         &self.raw
     }
 
-    /// Notes that the event now captures `stream` up to now.
-    pub(crate) fn capture(&self, stream: &StreamShared<B>) {
-        let (seq, clock) = {
-            let mut st = stream.state();
-            st.seq += 1;
-            (st.seq, st.clock.clone())
-        };
-        *lock(&self.captured) = Some(Captured {
-            stream: stream.id,
-            seq,
-            clock,
-        });
+    /// Notes that the event now captures what [`StreamShared::capture`]
+    /// took, once the backend has recorded it.
+    pub(crate) fn set_captured(&self, captured: Captured) {
+        *lock(&self.captured) = Some(captured);
     }
 
     /// Makes `stream`'s clock include what this event captured.
