@@ -22,6 +22,10 @@
 
 use rustc_hash::FxHashSet;
 
+mod sizes;
+
+pub use sizes::Sizes;
+
 /// Where new chunks will be mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Target {
@@ -371,55 +375,6 @@ fn best_cover<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
                 .max_by_key(|&(i, &(_, size))| (size, std::cmp::Reverse(i)))
         })
         .map(|(i, _)| i)
-}
-
-/// A multiset of chunk sizes, by size: few distinct sizes however many
-/// chunks, so that a pick looks at the sizes, not at every chunk.
-#[derive(Debug, Clone)]
-pub struct Sizes(Vec<(u64, usize)>);
-
-impl Sizes {
-    /// From (size, how many of it) pairs, in any order, sizes repeated or
-    /// not.
-    pub fn of(counts: impl IntoIterator<Item = (u64, usize)>) -> Self {
-        let mut counted: Vec<(u64, usize)> = counts.into_iter().filter(|&(_, n)| n > 0).collect();
-        counted.sort_unstable();
-        counted.dedup_by(|later, kept| {
-            let same = later.0 == kept.0;
-            if same {
-                kept.1 += later.1;
-            }
-            same
-        });
-        Self(counted)
-    }
-
-    /// Takes one of `size` out, which must be held.
-    fn take(&mut self, size: u64) -> u64 {
-        let i = self.0.partition_point(|&(s, _)| s < size);
-        let (s, n) = &mut self.0[i];
-        debug_assert!(*s == size && *n > 0, "a size held");
-        *n -= 1;
-        if *n == 0 {
-            self.0.remove(i);
-        }
-        size
-    }
-
-    /// As [`best_cover`]: the smallest size of at least `left`, else the
-    /// largest.
-    fn take_best_cover(&mut self, left: u64) -> Option<u64> {
-        let i = self.0.partition_point(|&(s, _)| s < left);
-        let &(size, _) = self.0.get(i).or(self.0.last())?;
-        Some(self.take(size))
-    }
-
-    /// The largest size of at most `left`.
-    fn take_largest_within(&mut self, left: u64) -> Option<u64> {
-        let i = self.0.partition_point(|&(s, _)| s <= left);
-        let &(size, _) = self.0.get(i.checked_sub(1)?)?;
-        Some(self.take(size))
-    }
 }
 
 #[cfg(test)]
