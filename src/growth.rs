@@ -211,7 +211,11 @@ impl<B: Backend> Growth<'_, B> {
     fn plan(&self, arena: ArenaId, size: u64, free: &[FreeUnit]) -> Result<Growing> {
         let granule = self.space.granule();
         let arena = &self.arenas[arena];
-        let growth_chunk = arena.policy.growth_chunk(self.space.reserved(), granule);
+        // Chunks sized by what the pool holds apart from its spares: after
+        // a fresh start, where every chunk is spare, growth takes them in
+        // the sizes it created them in from empty (Note [Starting afresh]).
+        let in_use = self.space.reserved() - self.space.spare_bytes();
+        let growth_chunk = arena.policy.growth_chunk(in_use, granule);
         let (start, end) = (arena.start, arena.end);
         // Address ranges in use: the units, which the heap's regions cover
         // exactly (a unit's range goes in when it is mapped and out when it

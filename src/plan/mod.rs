@@ -320,16 +320,26 @@ fn largest_within<K>(items: &[(K, u64)], left: u64) -> Option<usize> {
 
 /// Whole chunks covering `need` bytes: spare ones first (no driver call to
 /// free them), then free units moved from elsewhere, then new ones of at
-/// most `chunk_size` (a granule multiple) each. Within each kind, the
-/// smallest that covers what is left, else the largest, so few chunks move
-/// and little is over-covered; among equal sizes, the first in the order
+/// most `chunk_size` (a granule multiple) each. Spares go as new chunks
+/// would: for each piece of at most `chunk_size`, the smallest spare that
+/// covers it without passing `chunk_size`, else the largest within it; a
+/// spare larger than `chunk_size` only where no other is left. So a pool
+/// whose chunks are all spare after a fresh start lays out with them as it
+/// did with new ones from empty (Note [Starting afresh]). Units go by the
+/// smallest that covers what is left, else the largest, so few move and
+/// little is over-covered; among equal sizes, the first in the order
 /// given. Nothing is created while unused memory would do.
 pub fn plan_sources(need: u64, spares: &Sizes, units: &[UnitSize], chunk_size: u64) -> Vec<Source> {
     let mut left = need;
     let mut plan = Vec::new();
     let mut spare_left = spares.clone();
     while left > 0 {
-        let Some(size) = spare_left.take_best_cover(left) else {
+        let piece = left.min(chunk_size);
+        let Some(size) = spare_left
+            .take_smallest_in(piece, chunk_size)
+            .or_else(|| spare_left.take_largest_within(piece))
+            .or_else(|| spare_left.take_best_cover(left))
+        else {
             break;
         };
         plan.push(Source::Spare { size });
@@ -579,6 +589,23 @@ mod tests {
     }
 
     #[test]
+    fn spares_go_as_new_chunks_would() {
+        let spares = sizes(&[G, G, G, G, 8 * G]);
+        // Growth would create one-granule chunks: the granules go, not
+        // the large spare that covers it all.
+        assert_eq!(
+            plan_sources(4 * G, &spares, &[], G),
+            vec![Source::Spare { size: G }; 4]
+        );
+        // It would create one 4-granule chunk: the smallest spare that
+        // covers it within the chunk size.
+        assert_eq!(
+            plan_sources(4 * G, &spares, &[], 16 * G),
+            vec![Source::Spare { size: 8 * G }]
+        );
+    }
+
+    #[test]
     fn unused_memory_before_new() {
         let plan = plan_sources(
             10 * G,
@@ -589,8 +616,8 @@ mod tests {
         assert_eq!(
             plan,
             vec![
-                Source::Spare { size: 3 * G },
                 Source::Spare { size: G },
+                Source::Spare { size: 3 * G },
                 Source::Unit {
                     va: 50 * G,
                     size: 8 * G

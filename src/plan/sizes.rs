@@ -41,6 +41,13 @@ impl Sizes {
         Some(self.take(size))
     }
 
+    /// The smallest size in `[lo, hi]`.
+    pub(super) fn take_smallest_in(&mut self, lo: u64, hi: u64) -> Option<u64> {
+        let i = self.0.partition_point(|&(s, _)| s < lo);
+        let &(size, _) = self.0.get(i).filter(|&&(s, _)| s <= hi)?;
+        Some(self.take(size))
+    }
+
     /// The largest size of at most `left`.
     pub(super) fn take_largest_within(&mut self, left: u64) -> Option<u64> {
         let i = self.0.partition_point(|&(s, _)| s <= left);
@@ -56,12 +63,13 @@ mod tests {
     #[test]
     fn picks_by_size() {
         let mut s = Sizes::of([(4, 1), (2, 2), (8, 1), (2, 1), (16, 0)]);
-        assert_eq!(s.take_largest_within(7), Some(4));
+        assert_eq!(s.take_smallest_in(3, 8), Some(4));
+        assert_eq!(s.take_smallest_in(3, 7), None);
+        assert_eq!(s.take_largest_within(7), Some(2));
         assert_eq!(s.take_best_cover(5), Some(8));
         // Nothing covers 5 now: the largest.
         assert_eq!(s.take_best_cover(5), Some(2));
         assert_eq!(s.take_largest_within(1), None);
-        assert_eq!(s.take_best_cover(1), Some(2));
         assert_eq!(s.take_best_cover(1), Some(2));
         assert_eq!(s.take_best_cover(1), None);
     }
