@@ -168,8 +168,14 @@ impl<B: Backend> Context<B> {
     /// dependency: memory freed on the event's stream before the record may
     /// now be reused on `stream` (follow event dependencies).
     pub fn stream_wait_event(&self, stream: &Stream<B>, event: &Event<B>) -> Result<()> {
+        // What the event captured, read before the driver makes the stream
+        // wait: were it recorded again in between, the stream would wait
+        // for the earlier point, and must not count as after the later.
+        let captured = event.captured();
         self.backend.stream_wait_event(&stream.0.raw, &event.raw)?;
-        event.order_after(&stream.0);
+        if let Some(c) = &captured {
+            stream.0.order_after(c);
+        }
         Ok(())
     }
 
@@ -192,7 +198,7 @@ impl<B: Backend> Context<B> {
         let captured = event.captured();
         self.backend.synchronize_event(&event.raw)?;
         match captured {
-            Some((stream, seq)) => self.passed(stream, seq),
+            Some(c) => self.passed(c.stream, c.seq),
             None => self.passed(0, 0),
         }
     }

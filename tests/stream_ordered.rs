@@ -543,6 +543,40 @@ mod faults {
     use super::*;
     use vmpool::vmm::testing::faulty::{Call, Faulty};
 
+    /// Another thread records an event again while a stream is made to
+    /// wait on it, after the driver took the earlier record: the stream
+    /// waits for the earlier point only, and must not reuse (following the
+    /// event) what was freed between the two records.
+    #[test]
+    fn a_wait_follows_the_record_the_driver_waited_for() {
+        let b = Faulty::new(common::host());
+        // Following event dependencies is the only way across streams.
+        let (ctx, pool) = setup(&b, [1, 0, 0]);
+        let ctx = Arc::new(ctx);
+        let (s1, s2) = (
+            ctx.create_stream(DEV).unwrap(),
+            ctx.create_stream(DEV).unwrap(),
+        );
+        let e = Arc::new(ctx.create_event(DEV).unwrap());
+        ctx.record_event(&e, &s1).unwrap();
+        let a_ptr = late_write_then_free(&ctx, &s1);
+        let (other, again, on) = (Arc::clone(&ctx), Arc::clone(&e), s1.clone());
+        b.interleave(
+            Call::StreamWaitEvent,
+            Box::new(move || other.record_event(&again, &on).unwrap()),
+        );
+        ctx.stream_wait_event(&s2, &e).unwrap();
+        let bb = ctx.alloc_async(WHOLE, &s2).unwrap();
+        assert_ne!(bb.ptr(), a_ptr, "reused a free the wait does not cover");
+        fill(&*b, &s2, &bb, 0xB2B2_B2B2);
+        ctx.synchronize_stream(&s1).unwrap();
+        assert_holds(&*b, &s2, &bb, 0xB2B2_B2B2);
+        assert_eq!(pool.stats().dependency_reuses, 0);
+        ctx.free_async(bb, &s2).unwrap();
+        ctx.synchronize_device(DEV).unwrap();
+        pool.audit().unwrap();
+    }
+
     /// Another thread queues work on a stream and frees there while an
     /// event is being recorded on it, after the driver recorded the point:
     /// the event's completion must not claim that free, whose work comes

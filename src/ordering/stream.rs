@@ -119,6 +119,13 @@ impl<B: Backend> StreamShared<B> {
         }
     }
 
+    /// Makes the stream's clock include what an event `captured`.
+    pub(crate) fn order_after(&self, captured: &Captured) {
+        let mut st = self.state();
+        st.clock.merge(&captured.clock);
+        st.clock.advance(captured.stream, captured.seq);
+    }
+
     /// The last position handed out.
     pub(crate) fn current_seq(&self) -> u64 {
         self.state().seq
@@ -212,9 +219,9 @@ impl<B: Backend> Event<B> {
         }
     }
 
-    /// (stream, position) of the last record.
-    pub(crate) fn captured(&self) -> Option<(u64, u64)> {
-        lock(&self.captured).as_ref().map(|c| (c.stream, c.seq))
+    /// What the last record captured.
+    pub(crate) fn captured(&self) -> Option<Captured> {
+        lock(&self.captured).clone()
     }
 
     /// The device the event belongs to.
@@ -231,14 +238,5 @@ impl<B: Backend> Event<B> {
     /// took, once the backend has recorded it.
     pub(crate) fn set_captured(&self, captured: Captured) {
         *lock(&self.captured) = Some(captured);
-    }
-
-    /// Makes `stream`'s clock include what this event captured.
-    pub(crate) fn order_after(&self, stream: &StreamShared<B>) {
-        if let Some(c) = &*lock(&self.captured) {
-            let mut st = stream.state();
-            st.clock.merge(&c.clock);
-            st.clock.advance(c.stream, c.seq);
-        }
     }
 }
