@@ -24,9 +24,10 @@
 //!   byte used, pending or held, and the backend holds no chunk, mapping or
 //!   reservation.
 //!
-//! `cargo test --test fuzz` runs 48 cases. `PROPTEST_CASES=n` sets the
-//! cases per run; `VMPOOL_FUZZ_SECS=s` repeats runs until `s` seconds have
-//! passed. `--nocapture` shows how much was done.
+//! `cargo test --test fuzz` runs 128 cases (some 10 s), after the seeds
+//! in `fuzz.proptest-regressions`. `PROPTEST_CASES=n` sets the cases per
+//! run; `VMPOOL_FUZZ_SECS=s` repeats runs until `s` seconds have passed.
+//! `--nocapture` shows how much was done.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -588,7 +589,7 @@ fn run_case(case: Case) -> Checked {
 #[test]
 fn threads_and_streams_against_a_model() {
     let config = contextualize_config(Config {
-        cases: 48,
+        cases: 128,
         max_shrink_iters: 256,
         source_file: Some(file!()),
         ..Config::default()
