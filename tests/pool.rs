@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use vmpool::vmm::testing::TestBackend;
-use vmpool::vmm::{Backend, DeviceId};
+use vmpool::vmm::{Backend, DeviceId, DevicePtr};
 use vmpool::{
     Allocation, Context, Defragment, Error, FreshStart, PoolAttribute, PoolProps, SleepLevel,
     SMALL_LIMIT,
@@ -68,6 +68,22 @@ fn granule_unit_pool<B: TestBackend>(
         ..PoolProps::new(DEV)
     })
     .unwrap()
+}
+
+/// On a [`granule_unit_pool`]: [x | y | z], a granule each; with x and z
+/// freed, two granules in one piece come from moving their units, and are
+/// freed again. Returns where x was, and y, still live.
+fn move_units_around<B: TestBackend>(pool: &vmpool::Pool<B>, g: u64) -> (DevicePtr, Allocation) {
+    let x = pool.allocate(g).unwrap();
+    let first = x.ptr();
+    let y = pool.allocate(g).unwrap();
+    let z = pool.allocate(g).unwrap();
+    pool.free(x).unwrap();
+    pool.free(z).unwrap();
+    let v = pool.allocate(2 * g).unwrap();
+    assert!(pool.stats().remaps > 0, "the case needs a move");
+    pool.free(v).unwrap();
+    (first, y)
 }
 
 pub fn sizes_and_alignment<B: TestBackend>(b: &Arc<B>) {
@@ -274,17 +290,7 @@ pub fn an_emptied_pool_starts_afresh<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
     let pool = granule_unit_pool(&ctx, g, FreshStart::WhenEmptied);
-    // [x | y | z], a granule each; with x and z freed, two granules in one
-    // piece come from moving their units.
-    let x = pool.allocate(g).unwrap();
-    let first = x.ptr();
-    let y = pool.allocate(g).unwrap();
-    let z = pool.allocate(g).unwrap();
-    pool.free(x).unwrap();
-    pool.free(z).unwrap();
-    let v = pool.allocate(2 * g).unwrap();
-    assert!(pool.stats().remaps > 0, "the case needs a move");
-    pool.free(v).unwrap();
+    let (first, y) = move_units_around(&pool, g);
     // y is live: no fresh start.
     let unmaps = pool.stats().unmaps;
     let w = pool.allocate(g).unwrap();
@@ -319,14 +325,7 @@ pub fn a_pool_told_never_to_start_afresh_keeps_its_layout<B: TestBackend>(b: &Ar
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
     let pool = granule_unit_pool(&ctx, g, FreshStart::Never);
-    let x = pool.allocate(g).unwrap();
-    let y = pool.allocate(g).unwrap();
-    let z = pool.allocate(g).unwrap();
-    pool.free(x).unwrap();
-    pool.free(z).unwrap();
-    let v = pool.allocate(2 * g).unwrap();
-    assert!(pool.stats().remaps > 0, "the case needs a move");
-    pool.free(v).unwrap();
+    let (_, y) = move_units_around(&pool, g);
     pool.free(y).unwrap();
     let before = pool.stats();
     let next = pool.allocate(g).unwrap();
