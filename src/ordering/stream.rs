@@ -186,7 +186,7 @@ impl<B: Backend> Stream<B> {
 }
 
 /// What an event captured when it was last recorded.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Captured {
     pub(crate) stream: u64,
     pub(crate) seq: u64,
@@ -198,7 +198,8 @@ pub(crate) struct Captured {
 pub struct Event<B: Backend> {
     pub(crate) raw: B::Event,
     pub(crate) device: DeviceId,
-    pub(crate) captured: Mutex<Option<Captured>>,
+    /// Shared, so that a wait takes it without copying the clock.
+    pub(crate) captured: Mutex<Option<Arc<Captured>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Event<B> {
@@ -220,7 +221,7 @@ impl<B: Backend> Event<B> {
     }
 
     /// What the last record captured.
-    pub(crate) fn captured(&self) -> Option<Captured> {
+    pub(crate) fn captured(&self) -> Option<Arc<Captured>> {
         lock(&self.captured).clone()
     }
 
@@ -237,6 +238,6 @@ impl<B: Backend> Event<B> {
     /// Notes that the event now captures what [`StreamShared::capture`]
     /// took, once the backend has recorded it.
     pub(crate) fn set_captured(&self, captured: Captured) {
-        *lock(&self.captured) = Some(captured);
+        *lock(&self.captured) = Some(Arc::new(captured));
     }
 }
