@@ -26,6 +26,25 @@ fn parse_bytes(name: &str, value: &str) -> Result<u64, ConfigError> {
     })
 }
 
+/// The setting `name` as `parse` reads it, `default` when unset; a value
+/// `parse` refuses is an error that says what was `expected`.
+fn setting<T, E>(
+    lookup: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: T,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+    expected: &'static str,
+) -> Result<T, ConfigError> {
+    match lookup(name) {
+        None => Ok(default),
+        Some(value) => parse(&value).map_err(|_| ConfigError::Other {
+            name,
+            value,
+            expected,
+        }),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{name}={value:?}: expected bytes, such as 1073741824, 512MiB, 2G or max")]
@@ -117,44 +136,43 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let bytes =
             |name: &str, default: u64| lookup(name).map_or(Ok(default), |v| parse_bytes(name, &v));
-        let backend = match lookup("VMPOOL_BACKEND").as_deref() {
-            None | Some("cuda") => BackendChoice::Cuda,
-            Some("host") => BackendChoice::Host,
-            Some(other) => {
-                return Err(ConfigError::Other {
-                    name: "VMPOOL_BACKEND",
-                    value: other.to_owned(),
-                    expected: "cuda or host",
-                })
-            }
-        };
+        let backend = setting(
+            &lookup,
+            "VMPOOL_BACKEND",
+            BackendChoice::Cuda,
+            |v| match v {
+                "cuda" => Ok(BackendChoice::Cuda),
+                "host" => Ok(BackendChoice::Host),
+                _ => Err(()),
+            },
+            "cuda or host",
+        )?;
         let host_devices = lookup("VMPOOL_HOST_DEVICES")
             .map(|v| at_least_one("VMPOOL_HOST_DEVICES", v, "a number of devices, at least 1"))
             .transpose()?
             .unwrap_or(1);
-        let timing = match lookup("VMPOOL_TIMING").as_deref().map(str::trim) {
-            None | Some("0") => false,
-            Some("1") => true,
-            Some(other) => {
-                return Err(ConfigError::Other {
-                    name: "VMPOOL_TIMING",
-                    value: other.to_owned(),
-                    expected: "0 or 1",
-                })
-            }
-        };
+        let timing = setting(
+            &lookup,
+            "VMPOOL_TIMING",
+            false,
+            |v| match v.trim() {
+                "0" => Ok(false),
+                "1" => Ok(true),
+                _ => Err(()),
+            },
+            "0 or 1",
+        )?;
         let chunk_size = match lookup("VMPOOL_CHUNK_SIZE") {
             None => None,
             Some(v) => Some(parse_bytes("VMPOOL_CHUNK_SIZE", &v)?),
         };
-        let chunk_divisor = match lookup("VMPOOL_CHUNK_DIVISOR") {
-            None => Some(DEFAULT_CHUNK_DIVISOR),
-            Some(v) => vmpool::parse_chunk_divisor(&v).map_err(|_| ConfigError::Other {
-                name: "VMPOOL_CHUNK_DIVISOR",
-                value: v,
-                expected: "a whole number, at least 1, or off",
-            })?,
-        };
+        let chunk_divisor = setting(
+            &lookup,
+            "VMPOOL_CHUNK_DIVISOR",
+            Some(DEFAULT_CHUNK_DIVISOR),
+            vmpool::parse_chunk_divisor,
+            "a whole number, at least 1, or off",
+        )?;
         let va_size = match lookup("VMPOOL_VA_SIZE") {
             None => None,
             Some(v) => match parse_bytes("VMPOOL_VA_SIZE", &v)? {
@@ -168,22 +186,20 @@ impl Config {
                 bytes => Some(bytes),
             },
         };
-        let fresh_start = match lookup("VMPOOL_FRESH_START") {
-            None => vmpool::FreshStart::WhenEmptied,
-            Some(v) => vmpool::parse_fresh_start(&v).map_err(|_| ConfigError::Other {
-                name: "VMPOOL_FRESH_START",
-                value: v,
-                expected: "when-emptied or never",
-            })?,
-        };
-        let handle_type = match lookup("VMPOOL_HANDLE_TYPE") {
-            None => vmpool::HandleType::None,
-            Some(v) => vmpool::parse_handle_type(&v).map_err(|_| ConfigError::Other {
-                name: "VMPOOL_HANDLE_TYPE",
-                value: v,
-                expected: "none or posix_fd",
-            })?,
-        };
+        let fresh_start = setting(
+            &lookup,
+            "VMPOOL_FRESH_START",
+            vmpool::FreshStart::WhenEmptied,
+            vmpool::parse_fresh_start,
+            "when-emptied or never",
+        )?;
+        let handle_type = setting(
+            &lookup,
+            "VMPOOL_HANDLE_TYPE",
+            vmpool::HandleType::None,
+            vmpool::parse_handle_type,
+            "none or posix_fd",
+        )?;
         let log = lookup("VMPOOL_LOG").unwrap_or_else(|| "warn".to_owned());
         if tracing_subscriber::EnvFilter::try_new(&log).is_err() {
             return Err(ConfigError::Other {
