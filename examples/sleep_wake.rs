@@ -11,7 +11,10 @@
 //! buffer, and a checksum of one whole buffer), and the device's free
 //! memory is read before and after each sleep.
 //!
-//!     cargo run --release --example sleep_wake [-- --backend host|cuda] [--gib 1,10,40] [--cycles 3] [--reserve-host]
+//! `--prepare` runs `Pool::prepare_sleep` before the first cycle, timed
+//! apart: the pool's granules joined into whole chunks for the sleeps.
+//!
+//!     cargo run --release --example sleep_wake [-- --backend host|cuda] [--gib 1,10,40] [--cycles 3] [--reserve-host] [--prepare]
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,6 +54,11 @@ struct Args {
     /// the first sleep to release.
     #[arg(long)]
     whole_chunks: bool,
+    /// Get the pool ready to sleep before the first cycle
+    /// (`Pool::prepare_sleep`: a sleep and a wake that join an
+    /// allocation's units into whole chunks), timed apart.
+    #[arg(long)]
+    prepare: bool,
 }
 
 fn main() -> Result<()> {
@@ -127,6 +135,19 @@ fn run<B: TestBackend>(b: Arc<B>, args: &Args) -> Result<()> {
                 "reserve_host: {:.2} GiB pinned ahead in {s:.3} s ({:.1} GB/s)",
                 pool.stats().host_bytes as f64 / GIB as f64,
                 gbps(bytes, s)
+            );
+        }
+        if args.prepare {
+            let t = Instant::now();
+            let report = pool.prepare_sleep(&stream)?;
+            let s = t.elapsed().as_secs_f64();
+            check(&b, &stream, &live)?;
+            println!(
+                "prepare_sleep: {} chunks -> {} in {s:.3} s ({:.2} GiB kept, {:.2} GiB pinned); bytes intact",
+                report.chunks_before,
+                report.chunks_after,
+                report.sleep.kept_bytes as f64 / GIB as f64,
+                report.sleep.pinned_bytes as f64 / GIB as f64,
             );
         }
         println!(
@@ -298,6 +319,25 @@ struct Cycle {
     reserved: u64,
 }
 
+/// Every buffer of `live`, sampled at its start, middle and end, holds
+/// its word.
+fn check<B: TestBackend>(b: &Arc<B>, stream: &Stream<B>, live: &[(Allocation, u32)]) -> Result<()> {
+    for (a, word) in live {
+        for at in [0, BUFFER / 2, BUFFER - 4096] {
+            let mut sample = [0u8; 4096];
+            b.copy_to_host(stream.raw(), a.ptr().byte_add(at as usize), &mut sample)?;
+            ensure!(
+                sample
+                    .chunks_exact(4)
+                    .all(|w| u32::from_ne_bytes(w.try_into().expect("4 bytes")) == *word),
+                "the bytes at {} came back changed",
+                a.ptr()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn one_cycle<B: TestBackend>(
     b: &Arc<B>,
     pool: &Pool<B>,
@@ -329,20 +369,7 @@ fn one_cycle<B: TestBackend>(
     let woken = pool.wake(stream)?;
     let wake_s = t.elapsed().as_secs_f64();
     ensure!(woken.restored_bytes == bytes);
-    // Every buffer, sampled at its start, middle and end; one whole.
-    for (a, word) in live {
-        for at in [0, BUFFER / 2, BUFFER - 4096] {
-            let mut sample = [0u8; 4096];
-            b.copy_to_host(stream.raw(), a.ptr().byte_add(at as usize), &mut sample)?;
-            ensure!(
-                sample
-                    .chunks_exact(4)
-                    .all(|w| u32::from_ne_bytes(w.try_into().expect("4 bytes")) == *word),
-                "the bytes at {} came back changed",
-                a.ptr()
-            );
-        }
-    }
+    check(b, stream, live)?;
     ensure!(
         checksum(&live[live.len() / 2].0)? == before_sum,
         "checksum differs"

@@ -174,6 +174,7 @@ for job in $jobs; do
     sleep)
         run "sleep and wake" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}" --cycles "${SLEEP_CYCLES:-3}"
         run "sleep and wake, the host buffer pinned ahead" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}" --cycles 2 --reserve-host
+        run "sleep and wake, prepared (granules joined) after the host buffer pinned ahead" "$here/examples/sleep_wake" --backend cuda --gib "${SLEEP_GIB:-1,10,40}" --cycles 2 --reserve-host --prepare
         ;;
     bench)
         run "bench" "$here/bin/vmpool-bench" --backend cuda

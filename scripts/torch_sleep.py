@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks, on the GPU, sleep and wake under PyTorch (`vmpool.torch.sleep`,
-`wake`): a small transformer's outputs before a level-1 sleep and after
-the wake are equal, as are its parameters' checksums; a CUDA graph captured
+`wake`, `prepare_sleep`): a small transformer's outputs before a level-1
+sleep, after `prepare_sleep` and after the wake are equal, as are its
+parameters' checksums; a CUDA graph captured
 before the sleep replays right after it; `torch.cuda.mem_get_info()` shows
 the pool's memory free while asleep; an allocation while asleep fails; and
 after a level-2 sleep (nothing kept) the weights loaded again give the
@@ -13,6 +14,7 @@ Exits non-zero when any check fails.
 """
 
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,9 +61,26 @@ def main() -> int:
     graph_before = static_out.clone()
     torch.cuda.synchronize()
 
+    # Ready to sleep: the weights' 2 MiB units joined into whole chunks,
+    # nothing else changed.
+    chunks = vt.stats().chunks_created - vt.stats().chunks_released
+    t = time.perf_counter()
+    vt.prepare_sleep()
+    took = time.perf_counter() - t
+    joined = vt.stats().chunks_created - vt.stats().chunks_released
+    print(f"      prepare_sleep: {chunks} chunks -> {joined} in {took:.3f} s")
+    check(joined < chunks, "prepare_sleep joins the pool's chunks")
+    with torch.no_grad():
+        check(torch.equal(before, model(x)), "outputs equal after prepare_sleep")
+    graph.replay()
+    torch.cuda.synchronize()
+    check(torch.equal(graph_before, static_out), "the graph replays right after prepare_sleep")
+
     free_awake, _ = torch.cuda.mem_get_info()
     reserved = vt.stats().reserved_bytes
+    t = time.perf_counter()
     vt.sleep(1)
+    print(f"      sleep(1) after prepare_sleep: {time.perf_counter() - t:.3f} s")
     free_asleep, _ = torch.cuda.mem_get_info()
     gained = free_asleep - free_awake
     print(f"      pool reserved {reserved} bytes; device free {free_awake} awake, {free_asleep} asleep")

@@ -40,7 +40,7 @@ pub use mem_pools::{
     MemPoolAllocation, MemPoolError, MemPoolId, MemPools, MemPoolsStats, Release, Released,
 };
 pub use ordering::{Event, Stream};
-pub use pool::{Pool, Retention, SleepLevel, SleepReport, WakeReport};
+pub use pool::{Pool, PrepareReport, Retention, SleepLevel, SleepReport, WakeReport};
 pub use props::{
     parse_bytes, parse_chunk_divisor, parse_fresh_start, parse_handle_type, Defragment, FreshStart,
     HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW,

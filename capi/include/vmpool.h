@@ -144,10 +144,19 @@ int vmpool_set_retention(int keep);
  * vmpool_wake, allocations return NULL (logged) and work that touches the
  * memory faults; frees are taken, and their bytes are not copied back. CUDA graphs' pools stay awake. Refused
  * during a graph capture. A pool under 2 GiB is made of 2 MiB chunks, and
- * its first sleep pays for releasing each (30-60 us apiece on an H200);
- * VMPOOL_CHUNK_DIVISOR=off grows it by whole chunks instead. 0 / -1
- * (logged). */
+ * its first sleep pays for releasing each (30-60 us apiece on an H200)
+ * unless vmpool_prepare_sleep joined them; VMPOOL_CHUNK_DIVISOR=off grows
+ * it by whole chunks instead. 0 / -1 (logged). */
 int vmpool_sleep(int level);
+
+/* Gets every device pool ready for a vmpool_sleep at the copy's speed: a
+ * sleep that keeps every live byte, then a wake, after which each
+ * allocation's memory is few chunks (the driver releases many small ones
+ * more slowly than their bytes copy). Pins host memory for the live bytes,
+ * as vmpool_reserve_host. Waits for the streams vmpool has seen first;
+ * refused during a graph capture. 0 / -1 (logged; a pool the device then
+ * lacks memory for stays asleep, to be woken by vmpool_wake). */
+int vmpool_prepare_sleep(void);
 
 /* Maps every sleeping pool's memory back at the same addresses and copies
  * the kept bytes back. A pool the device lacks memory for stays asleep,

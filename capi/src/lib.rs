@@ -373,6 +373,24 @@ pub extern "C" fn vmpool_sleep(level: c_int) -> c_int {
     )
 }
 
+/// Gets every device pool ready for a [`vmpool_sleep`] at the copy's
+/// speed: a sleep that keeps every live byte, then a wake, so that each
+/// allocation's memory comes back as few chunks, and the next sleep has
+/// few to release (a pool under 2 GiB grows by 2 MiB chunks, which the
+/// driver releases more slowly than their bytes copy). Pins host memory for
+/// the live bytes, as [`vmpool_reserve_host`]. Waits for the streams
+/// vmpool has seen first; refused during a graph capture. 0, or -1 on
+/// failure (logged; a pool the device then lacks memory for stays asleep,
+/// to be woken by [`vmpool_wake`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn vmpool_prepare_sleep() -> c_int {
+    call(
+        "prepare_sleep",
+        -1,
+        |g| with_shim!(g, s => s.prepare_sleep().map(|()| 0)),
+    )
+}
+
 /// Brings the memory of every sleeping device pool back at the same
 /// addresses, the kept bytes restored. A pool the device lacks memory for
 /// stays asleep, its bytes on the host, to be woken again (the log says

@@ -5,8 +5,9 @@
 use std::ffi::c_void;
 
 use vmpool_c::{
-    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_release_host, vmpool_reserve_host,
-    vmpool_set_retention, vmpool_sleep, vmpool_stats, vmpool_wake,
+    vmpool_alloc, vmpool_backend, vmpool_free, vmpool_prepare_sleep, vmpool_release_host,
+    vmpool_reserve_host, vmpool_set_retention, vmpool_sleep, vmpool_stats, vmpool_wake,
+    VmpoolStats,
 };
 
 const MIB: usize = 1 << 20;
@@ -83,6 +84,28 @@ fn sleep_and_wake_through_the_c_functions() {
     assert_eq!(vmpool_wake(), 0);
     assert!(all(a, 4 * MIB, 0xA5) && all(b, 300 * 1024, 0x3C));
     assert_eq!(vmpool_reserve_host(7, MIB as u64), -1, "no such device");
+
+    // Prepared: the same bytes and footprint, fewer chunks (the 40 MiB
+    // allocation's 2 MiB units joined), the next sleep as before.
+    let c = vmpool_alloc(40 * MIB as isize, 0, stream());
+    fill(c, 40 * MIB, 0x77);
+    let before = vmpool_stats(0);
+    assert_eq!(vmpool_prepare_sleep(), 0);
+    let after = vmpool_stats(0);
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+    let chunks = |s: &VmpoolStats| s.chunks_created - s.chunks_released;
+    assert!(
+        chunks(&after) * 2 < chunks(&before),
+        "{} chunks -> {}",
+        chunks(&before),
+        chunks(&after)
+    );
+    assert!(all(a, 4 * MIB, 0xA5) && all(b, 300 * 1024, 0x3C) && all(c, 40 * MIB, 0x77));
+    assert_eq!(vmpool_sleep(1), 0);
+    assert_eq!(vmpool_prepare_sleep(), -1, "asleep: nothing to prepare");
+    assert_eq!(vmpool_wake(), 0);
+    assert!(all(c, 40 * MIB, 0x77));
+    vmpool_free(c, 40 * MIB as isize, 0, stream());
 
     // Level 2 keeps nothing, but the memory comes back where it was.
     assert_eq!(vmpool_sleep(2), 0);

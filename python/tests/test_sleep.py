@@ -55,6 +55,19 @@ SCRIPT = textwrap.dedent(
     vmpool.wake()
     assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
     assert vmpool.stats().refused_frees == 0
+    # Prepared: the same bytes and reservation in fewer chunks.
+    big = vmpool.alloc(40 * MIB)
+    ctypes.memset(big, 0x5A, 40 * MIB)
+    before = vmpool.stats()
+    vmpool.prepare_sleep()
+    after = vmpool.stats()
+    assert after.reserved_bytes == before.reserved_bytes
+    chunks_before = before.chunks_created - before.chunks_released
+    chunks_after = after.chunks_created - after.chunks_released
+    assert chunks_after * 2 < chunks_before, (chunks_before, chunks_after)
+    assert ctypes.string_at(big, 40 * MIB) == b"\\x5a" * (40 * MIB)
+    assert ctypes.string_at(ptr, 4 * MIB) == b"\\xa5" * (4 * MIB)
+    vmpool.free(big)
     vmpool.sleep(2)
     vmpool.wake()
     try:

@@ -6,8 +6,8 @@ virtual-memory API, here as a Python package around its C library.
 
 `vmpool` itself needs no PyTorch: `stats()`, `summary()`, `snapshot()`,
 `empty_cache()`, the memory history (`record_history()`,
-`dump_snapshot()`), `sleep()` / `wake()` (with `reserve_host()` /
-`release_host()`) and the raw `alloc()` / `free()` work on any backend
+`dump_snapshot()`), `sleep()` / `wake()` (with `prepare_sleep()`,
+`reserve_host()` / `release_host()`) and the raw `alloc()` / `free()` work on any backend
 (VMPOOL_BACKEND=host runs without a GPU). Importing it loads the library
 and refuses one of another version (`LibraryMismatchError`).
 """
@@ -30,6 +30,7 @@ from ._lib import (
     library_version,
     mark_step,
     memory_snapshot,
+    prepare_sleep,
     print_snapshot,
     record_history,
     release_host,
@@ -66,6 +67,7 @@ __all__ = [
     "library_version",
     "mark_step",
     "memory_snapshot",
+    "prepare_sleep",
     "print_snapshot",
     "record_history",
     "release_host",

@@ -175,6 +175,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "vmpool_set_retention": (c.c_int, [c.c_int]),
         "vmpool_sleep": (c.c_int, [c.c_int]),
         "vmpool_wake": (c.c_int, []),
+        "vmpool_prepare_sleep": (c.c_int, []),
         "vmpool_reserve_host": (c.c_int, [c.c_int, c.c_uint64]),
         "vmpool_release_host": (c.c_int64, [c.c_int]),
     }
@@ -538,6 +539,18 @@ def wake() -> None:
     the memory; the pool then stays asleep, its bytes on the host, and
     `wake()` can be called again once memory is free."""
     _check("wake", library().vmpool_wake())
+
+
+def prepare_sleep() -> None:
+    """Gets every device pool ready for a `sleep(1)` at the copy's speed: a
+    sleep that keeps every live byte, then a wake, after which each
+    allocation's memory is few chunks to release (the driver releases many
+    small ones more slowly than their bytes copy). Pins host memory for the
+    live bytes, as `reserve_host()`. Waits for the streams vmpool has seen.
+    Raises `VmpoolError` on failure; should the device then lack memory,
+    the pool stays asleep, its bytes on the host, and `wake()` brings it
+    back."""
+    _check("prepare_sleep", library().vmpool_prepare_sleep())
 
 
 def reserve_host(nbytes: int, device: int = 0) -> None:

@@ -468,9 +468,19 @@ def sleep(level: int = 1) -> None:
     dropped meanwhile is freed (its bytes are not copied back). CUDA graphs
     captured before the sleep replay after the wake (their own pools stay
     awake). A pool under 2 GiB is made of 2 MiB chunks, and its first sleep
-    pays for releasing each (30-60 us apiece on an H200); with
-    `VMPOOL_CHUNK_DIVISOR=off` it grows by whole chunks instead."""
+    pays for releasing each (30-60 us apiece on an H200) unless
+    `prepare_sleep()` joined them; with `VMPOOL_CHUNK_DIVISOR=off` it grows
+    by whole chunks instead."""
     _lib.sleep(level)
+
+
+def prepare_sleep() -> None:
+    """Gets the pools ready for a `sleep(1)` at the copy's speed (after
+    loading a model, say): a sleep that keeps every live byte, then a wake,
+    after which each tensor's memory is few chunks to release. Pins host
+    memory for the live bytes, as `reserve_host()`; the tensors and their
+    bytes stay as they were."""
+    _lib.prepare_sleep()
 
 
 def wake() -> None:

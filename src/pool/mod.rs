@@ -47,7 +47,7 @@ use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
 use inner::{Inner, Purpose};
-pub use sleep::{Retention, SleepLevel, SleepReport, WakeReport};
+pub use sleep::{PrepareReport, Retention, SleepLevel, SleepReport, WakeReport};
 use stepping::Stepping;
 
 /// `repr(C)` and aligned to a cache line: what an allocation and a free

@@ -61,6 +61,21 @@ pub struct SleepReport {
     pub batches: u64,
 }
 
+/// What a [`crate::Pool::prepare_sleep`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PrepareReport {
+    /// The sleep that gave the pool's chunks back, every live byte kept.
+    pub sleep: SleepReport,
+    /// The wake that brought them back, a live allocation's in whole
+    /// chunks.
+    pub wake: WakeReport,
+    /// Chunks the pool had mapped before.
+    pub chunks_before: u64,
+    /// Chunks mapped after: what the next sleep releases.
+    pub chunks_after: u64,
+}
+
 /// What a [`crate::Pool::wake`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -121,7 +136,11 @@ impl<B: Backend> Pool<B> {
             return Err(Error::SleepState("shared with another process"));
         }
         let mut inner = self.lock();
-        let report = inner.sleep(&self.0.backend, level, &stream.0);
+        let retention = match level {
+            SleepLevel::KeepTagged => inner.retention,
+            SleepLevel::DiscardAll => Retention::Discard,
+        };
+        let report = inner.sleep(&self.0.backend, retention, &stream.0);
         // Asleep also after a failed release that could not be undone.
         if inner.slumber.is_some() {
             self.0.asleep.store(true, Ordering::Release);
@@ -141,6 +160,43 @@ impl<B: Backend> Pool<B> {
         let report = self.lock().wake(&self.0.backend, &stream.0)?;
         self.0.asleep.store(false, Ordering::Release);
         Ok(report)
+    }
+
+    /// Gets the pool ready to sleep at the copy's speed: a sleep that keeps
+    /// every live byte (whatever the pool's retention), then a wake, on
+    /// `stream`, so that the memory of each live allocation comes back in
+    /// chunks of up to the growth chunk size. The next sleep then releases
+    /// those few chunks instead of the many small ones growth made (a pool
+    /// under 4 GiB grows by 2 MiB ones), whose release the driver
+    /// serialises at some 40 us each, longer than copying their bytes
+    /// (Note [Sleep and wake] in docs/DESIGN.md). The pinning, the copies
+    /// both ways and the releases are paid here, at a time the program
+    /// chooses, as [`Pool::reserve_host`] pays the pinning.
+    ///
+    /// As for [`Pool::sleep`], no work may use the pool's memory meanwhile.
+    /// A failure leaves every byte where [`Pool::sleep`] and [`Pool::wake`]
+    /// leave it: awake and intact, or, should the wake lack device memory,
+    /// asleep with the bytes on the host, to be woken later.
+    pub fn prepare_sleep(&self, stream: &Stream<B>) -> Result<PrepareReport> {
+        self.same_device(stream)?;
+        if self.0.exports.leases() > 0 {
+            return Err(Error::SleepState("shared with another process"));
+        }
+        let mut inner = self.lock();
+        let chunks_before = inner.space.units().len() as u64;
+        let slept = inner.sleep(&self.0.backend, Retention::Keep, &stream.0);
+        if inner.slumber.is_some() {
+            self.0.asleep.store(true, Ordering::Release);
+        }
+        let sleep = slept?;
+        let wake = inner.wake(&self.0.backend, &stream.0)?;
+        self.0.asleep.store(false, Ordering::Release);
+        Ok(PrepareReport {
+            sleep,
+            wake,
+            chunks_before,
+            chunks_after: inner.space.units().len() as u64,
+        })
     }
 
     /// Whether the pool sleeps ([`Pool::sleep`] without a [`Pool::wake`]
@@ -263,13 +319,14 @@ impl<B: Backend> Inner<B> {
         self.slumber.as_ref().is_some_and(|s| s.kept > 0)
     }
 
-    /// See [`crate::Pool::sleep`]. `stream`'s work so far may use the
-    /// memory; so may the work of every stream with frees pending here,
-    /// which is waited for too.
-    pub(super) fn sleep(
+    /// See [`crate::Pool::sleep`]; `retention` says whether the live bytes
+    /// are kept. `stream`'s work so far may use the memory; so may the
+    /// work of every stream with frees pending here, which is waited for
+    /// too.
+    fn sleep(
         &mut self,
         backend: &B,
-        level: SleepLevel,
+        retention: Retention,
         stream: &StreamShared<B>,
     ) -> Result<SleepReport> {
         if self.slumber.is_some() {
@@ -279,7 +336,7 @@ impl<B: Backend> Inner<B> {
             return Err(Error::SleepDuringCapture);
         }
         backend.synchronize_stream(&stream.raw)?;
-        let keep = level == SleepLevel::KeepTagged && self.retention == Retention::Keep;
+        let keep = retention == Retention::Keep;
         let mut ranges = Vec::new();
         if keep {
             for arena in [ArenaId::Small, ArenaId::Large] {
@@ -421,7 +478,7 @@ impl<B: Backend> Inner<B> {
 
     /// See [`crate::Pool::wake`]. On failure nothing has changed: the pool
     /// is still asleep, its bytes still on the host.
-    pub(super) fn wake(&mut self, backend: &B, stream: &StreamShared<B>) -> Result<WakeReport> {
+    fn wake(&mut self, backend: &B, stream: &StreamShared<B>) -> Result<WakeReport> {
         let Some(slumber) = self.slumber.take() else {
             return Err(Error::SleepState("awake"));
         };

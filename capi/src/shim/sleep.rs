@@ -55,6 +55,35 @@ impl<B: Backend> Shim<B> {
         Ok(())
     }
 
+    /// Gets every device's pool ready to sleep at the copy's speed
+    /// (`Pool::prepare_sleep`: a sleep that keeps every live byte, then a
+    /// wake, after which an allocation's memory is few chunks). Waits for
+    /// every stream vmpool has seen first. Refused while a graph capture
+    /// is under way; a device whose pool lacks the memory to wake stays
+    /// asleep, its bytes on the host, and `wake` brings it back.
+    pub fn prepare_sleep(&self) -> Result<(), CallError> {
+        for dev in &self.devices {
+            let Some(pool) = dev.pool.get() else {
+                continue;
+            };
+            if dev.graphs.any_open() {
+                return Err(CallError::Vmpool(vmpool::Error::SleepDuringCapture));
+            }
+            self.wait_and_forget_streams(dev)?;
+            let stream = self.context.create_stream(dev.id)?;
+            let report = pool.prepare_sleep(&stream)?;
+            tracing::info!(
+                device = dev.id.0,
+                kept = report.sleep.kept_bytes,
+                pinned = report.sleep.pinned_bytes,
+                chunks_before = report.chunks_before,
+                chunks_after = report.chunks_after,
+                "vmpool: ready to sleep"
+            );
+        }
+        Ok(())
+    }
+
     /// Wakes every device's pool that sleeps; one that lacks memory stays
     /// asleep, its bytes on the host, and the error says how much.
     pub fn wake(&self) -> Result<(), CallError> {
