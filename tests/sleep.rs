@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use vmpool::vmm::testing::faulty::Call;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Access, Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, Pool, PoolProps, Retention, SleepLevel, Stream};
@@ -429,44 +430,54 @@ fn waking_without_memory_fails_cleanly_and_can_be_retried() {
     pool.audit().unwrap();
 }
 
+/// Every driver call a sleep or a wake makes, for the fault injection.
+const SLEEP_CALLS: [Call; 8] = [
+    Call::AllocHost,
+    Call::CopyDeviceToHost,
+    Call::Unmap,
+    Call::ReleaseChunk,
+    Call::CreateChunk,
+    Call::Map,
+    Call::SetAccess,
+    Call::CopyHostToDevice,
+];
+
+/// [`filled`] under injected faults: the allocations growth can make, each
+/// filled with `first_word` plus its index. Growth may meet the fault
+/// too: then that allocation is not made, and the pool stays as it was.
+fn filled_where_growth_allows<B: TestBackend>(
+    b: &Arc<B>,
+    pool: &Pool<B>,
+    s: &Stream<B>,
+    sizes: &[u64],
+    first_word: u32,
+) -> Vec<(Allocation, u32)> {
+    let mut live = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        if let Ok(a) = pool.allocate(size) {
+            let word = first_word + i as u32;
+            b.fill_u32(s.raw(), a.ptr(), (size / 4) as usize, word)
+                .unwrap();
+            live.push((a, word));
+        }
+    }
+    live
+}
+
 /// Every driver call sleep and wake make, failed in turn: a failed sleep
 /// leaves the pool awake with its bytes, a failed wake leaves it asleep
 /// with its bytes on the host, and a retry succeeds; nothing leaks.
 #[test]
 fn faults_in_sleep_and_wake_lose_nothing() {
-    use vmpool::vmm::testing::faulty::Call;
-    let calls = [
-        Call::AllocHost,
-        Call::CopyDeviceToHost,
-        Call::Unmap,
-        Call::ReleaseChunk,
-        Call::CreateChunk,
-        Call::Map,
-        Call::SetAccess,
-        Call::CopyHostToDevice,
-    ];
-    let injected = common::at_every_call_site(&calls, |b| {
+    let injected = common::at_every_call_site(&SLEEP_CALLS, |b| {
         let ctx = Context::new(Arc::clone(b)).unwrap();
         let pool = ctx.create_pool(&PoolProps::new(DEV)).unwrap();
         pool.set_retention(Retention::Keep);
         let s = ctx.create_stream(DEV).unwrap();
-        let live = {
-            let mut live = Vec::new();
-            for (i, size) in [3 * MIB, 8 * MIB, 256 * 1024].into_iter().enumerate() {
-                // Growth may meet the fault too: then this allocation is
-                // not made, and the pool stays as it was.
-                if let Ok(a) = pool.allocate(size) {
-                    let word = 0xFA_0000 + i as u32;
-                    b.fill_u32(s.raw(), a.ptr(), (size / 4) as usize, word)
-                        .unwrap();
-                    live.push((a, word));
-                }
-            }
-            live
-        };
         // Two cycles, the second keeping more: its sleep frees the host
         // buffer of the first and allocates a larger one.
-        let mut live = live;
+        let mut live =
+            filled_where_growth_allows(b, &pool, &s, &[3 * MIB, 8 * MIB, 256 * 1024], 0xFA_0000);
         for cycle in 0..2 {
             if cycle == 1 {
                 if let Ok(a) = pool.allocate(6 * MIB) {
@@ -511,32 +522,12 @@ fn faults_in_sleep_and_wake_lose_nothing() {
 /// `wake`; preparing again then works.
 #[test]
 fn faults_in_preparing_lose_nothing() {
-    use vmpool::vmm::testing::faulty::Call;
-    let calls = [
-        Call::AllocHost,
-        Call::CopyDeviceToHost,
-        Call::Unmap,
-        Call::ReleaseChunk,
-        Call::CreateChunk,
-        Call::Map,
-        Call::SetAccess,
-        Call::CopyHostToDevice,
-    ];
-    let injected = common::at_every_call_site(&calls, |b| {
+    let injected = common::at_every_call_site(&SLEEP_CALLS, |b| {
         let ctx = Context::new(Arc::clone(b)).unwrap();
         let pool = ctx.create_pool(&PoolProps::new(DEV)).unwrap();
         let s = ctx.create_stream(DEV).unwrap();
-        let mut live = Vec::new();
-        for (i, size) in [9 * MIB, 3 * MIB, 256 * 1024].into_iter().enumerate() {
-            // Growth may meet the fault too: then this allocation is not
-            // made, and the pool stays as it was.
-            if let Ok(a) = pool.allocate(size) {
-                let word = 0xFB_0000 + i as u32;
-                b.fill_u32(s.raw(), a.ptr(), (size / 4) as usize, word)
-                    .unwrap();
-                live.push((a, word));
-            }
-        }
+        let live =
+            filled_where_growth_allows(b, &pool, &s, &[9 * MIB, 3 * MIB, 256 * 1024], 0xFB_0000);
         if pool.prepare_sleep(&s).is_err() {
             pool.audit().unwrap();
             // A wake that meets the fault stays asleep; the next works.
@@ -569,7 +560,7 @@ fn faults_in_preparing_lose_nothing() {
 /// back. Either way sleeping again works.
 #[test]
 fn a_sleep_failing_halfway_loses_nothing() {
-    use vmpool::vmm::testing::faulty::{Call, Faulty};
+    use vmpool::vmm::testing::faulty::Faulty;
     for undo_fails in [false, true] {
         for batch in 1..4 {
             let b = Faulty::new(common::host());
@@ -613,7 +604,7 @@ fn a_sleep_failing_halfway_loses_nothing() {
 /// nothing is left mapped, and waking again brings every byte back.
 #[test]
 fn a_wake_failing_halfway_loses_nothing() {
-    use vmpool::vmm::testing::faulty::{Call, Faulty};
+    use vmpool::vmm::testing::faulty::Faulty;
     let host = common::host();
     let b = Faulty::new(Arc::clone(&host));
     let ctx = Context::new(Arc::clone(&b)).unwrap();

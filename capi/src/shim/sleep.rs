@@ -4,9 +4,9 @@
 //! memory is what captured graphs replay into, and PyTorch keeps it.
 
 use vmpool::vmm::Backend;
-use vmpool::{Retention, SleepLevel};
+use vmpool::{Pool, Retention, SleepLevel, Stream};
 
-use super::{CallError, Shim};
+use super::{CallError, Device, Shim};
 
 impl<B: Backend> Shim<B> {
     /// What sleeping at level 1 does with each device pool's bytes: kept
@@ -34,16 +34,8 @@ impl<B: Backend> Shim<B> {
             2 => SleepLevel::DiscardAll,
             _ => return Err(CallError::SleepLevel(level)),
         };
-        for dev in &self.devices {
-            let Some(pool) = dev.pool.get() else {
-                continue;
-            };
-            if dev.graphs.any_open() {
-                return Err(CallError::Vmpool(vmpool::Error::SleepDuringCapture));
-            }
-            self.wait_and_forget_streams(dev)?;
-            let stream = self.context.create_stream(dev.id)?;
-            let report = pool.sleep(level, &stream)?;
+        self.each_pool_quiet(|dev, pool, stream| {
+            let report = pool.sleep(level, stream)?;
             tracing::info!(
                 device = dev.id.0,
                 kept = report.kept_bytes,
@@ -51,8 +43,8 @@ impl<B: Backend> Shim<B> {
                 pinned = report.pinned_bytes,
                 "vmpool: asleep"
             );
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Gets every device's pool ready to sleep at the copy's speed
@@ -62,6 +54,28 @@ impl<B: Backend> Shim<B> {
     /// is under way; a device whose pool lacks the memory to wake stays
     /// asleep, its bytes on the host, and `wake` brings it back.
     pub fn prepare_sleep(&self) -> Result<(), CallError> {
+        self.each_pool_quiet(|dev, pool, stream| {
+            let report = pool.prepare_sleep(stream)?;
+            tracing::info!(
+                device = dev.id.0,
+                kept = report.sleep.kept_bytes,
+                pinned = report.sleep.pinned_bytes,
+                chunks_before = report.chunks_before,
+                chunks_after = report.chunks_after,
+                "vmpool: ready to sleep"
+            );
+            Ok(())
+        })
+    }
+
+    /// Runs `f` on each device's pool, device by device, with a new stream
+    /// of the device, once every stream vmpool has seen there has been
+    /// waited for (and forgotten). Refused while a graph capture is under
+    /// way on the device; the devices before it stay as `f` left them.
+    fn each_pool_quiet(
+        &self,
+        mut f: impl FnMut(&Device<B>, &Pool<B>, &Stream<B>) -> Result<(), CallError>,
+    ) -> Result<(), CallError> {
         for dev in &self.devices {
             let Some(pool) = dev.pool.get() else {
                 continue;
@@ -71,15 +85,7 @@ impl<B: Backend> Shim<B> {
             }
             self.wait_and_forget_streams(dev)?;
             let stream = self.context.create_stream(dev.id)?;
-            let report = pool.prepare_sleep(&stream)?;
-            tracing::info!(
-                device = dev.id.0,
-                kept = report.sleep.kept_bytes,
-                pinned = report.sleep.pinned_bytes,
-                chunks_before = report.chunks_before,
-                chunks_after = report.chunks_after,
-                "vmpool: ready to sleep"
-            );
+            f(dev, pool, &stream)?;
         }
         Ok(())
     }
