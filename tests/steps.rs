@@ -152,13 +152,20 @@ pub fn a_repeated_step_maps_nothing<B: TestBackend>(b: &Arc<B>) {
 }
 
 pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
+    const KEPT: u64 = 256;
     let run = |marked: bool| {
         let (ctx, pool, s) = start(b);
+        // Unmarked, a block held throughout keeps the pool from emptying,
+        // where the pool would mark steps itself.
+        let kept = (!marked).then(|| pool.allocate(KEPT).unwrap());
         for _ in 0..6 {
             step(b.as_ref(), &pool, &s, 2);
             if marked {
                 pool.mark_step().unwrap();
             }
+        }
+        if let Some(kept) = kept {
+            pool.free(kept).unwrap();
         }
         finish(&ctx, &pool, &s);
         let region = pool.step_counters().region_bytes;
@@ -169,9 +176,36 @@ pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
     };
     assert_eq!(
         run(true),
-        run(false),
+        run(false) - KEPT,
         "the high-water marks of used bytes differ"
     );
+}
+
+/// A program that marks no step but empties the pool after each has the
+/// pool mark them there (Note [Steps at emptying]): its repeated steps
+/// are laid out and then map nothing. Its own first mark ends that.
+pub fn an_unmarked_pool_emptied_each_step_lays_it_out<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    for _ in 0..6 {
+        step(b.as_ref(), &pool, &s, 2);
+    }
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 1, "{counters:?}");
+    assert_eq!(pool.stats().used_bytes, 0);
+    let maps = pool.stats().maps;
+    for _ in 0..4 {
+        step(b.as_ref(), &pool, &s, 2);
+    }
+    assert_eq!(pool.stats().maps, maps, "a laid-out step mapped chunks");
+    let planned = pool.step_counters().planned;
+    assert!(planned >= 4 * 40, "{planned} planned");
+    // Marked by the program from now on: the steps between its marks.
+    let steps = pool.step_counters().steps;
+    pool.mark_step().unwrap();
+    step(b.as_ref(), &pool, &s, 2);
+    step(b.as_ref(), &pool, &s, 2);
+    assert_eq!(pool.step_counters().steps, steps + 1, "the pool marked one");
+    finish(&ctx, &pool, &s);
 }
 
 pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>) {
@@ -747,6 +781,7 @@ suites!(
     a_repeated_step_maps_nothing,
     a_mark_at_the_next_allocation_takes_in_the_last_frees,
     a_layout_counts_only_what_the_program_holds,
+    an_unmarked_pool_emptied_each_step_lays_it_out,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,
     shapes_drawn_apart_settle_at_their_largest,

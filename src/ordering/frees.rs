@@ -76,10 +76,13 @@ impl PoolFrees {
     /// `size` among the latest and the [`HOT_SEARCH`] before it, if the
     /// stream has freed at least `size` bytes since the pool last settled
     /// its credit. Otherwise the allocation takes the pool's lock, which
-    /// keeps `used` and its high-water mark exact.
+    /// keeps `used` and its high-water mark exact. None either once the
+    /// stream has freed, at some moment since, the `held` bytes the pool
+    /// counted the program to hold: it may have emptied the pool, and the
+    /// lock marks a step there (Note [Steps at emptying] in docs/DESIGN.md).
     #[inline(always)]
-    pub(crate) fn reuse(&mut self, size: u64) -> Option<Pending> {
-        if self.credit < size {
+    pub(crate) fn reuse(&mut self, size: u64, held: u64) -> Option<Pending> {
+        if self.credit < size || self.credit_high >= held {
             return None;
         }
         let p = match self.latest.take_if(|l| l.size == size) {
@@ -247,12 +250,12 @@ mod tests {
     fn the_hot_path_reuses_only_against_its_credit() {
         let mut f = frees(&[(256, 1), (512, 2)]);
         assert_eq!(f.credit, 768);
-        assert_eq!(f.reuse(512).map(|p| p.seq), Some(2));
+        assert_eq!(f.reuse(512, u64::MAX).map(|p| p.seq), Some(2));
         assert_eq!((f.credit, f.reuses), (256, 1));
         // Settled by the pool: the block is still pending, but the hot path
         // may not take it; the pool's slow path will.
         f.credit = 0;
-        assert!(f.reuse(256).is_none());
+        assert!(f.reuse(256, u64::MAX).is_none());
         assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(1));
     }
 
@@ -261,7 +264,7 @@ mod tests {
         // Frees of 256 and 512, a reuse of 512, a free of 128: the stream
         // had freed 768 bytes net at most, though 384 now.
         let mut f = frees(&[(256, 1), (512, 2)]);
-        let reused = f.reuse(512).expect("pending");
+        let reused = f.reuse(512, u64::MAX).expect("pending");
         f.push(Pending {
             size: 128,
             seq: 3,
@@ -277,12 +280,12 @@ mod tests {
         sizes.extend((2..=last).map(|seq| (512, seq)));
         let mut f = frees(&sizes);
         // The 256-byte block is one further back than the hot path looks.
-        assert!(f.reuse(256).is_none());
-        assert_eq!(f.reuse(512).map(|p| p.seq), Some(last));
-        assert!(f.reuse(256).is_none());
+        assert!(f.reuse(256, u64::MAX).is_none());
+        assert_eq!(f.reuse(512, u64::MAX).map(|p| p.seq), Some(last));
+        assert!(f.reuse(256, u64::MAX).is_none());
         // One more taken off the end brings it within reach.
-        assert_eq!(f.reuse(512).map(|p| p.seq), Some(last - 1));
-        assert_eq!(f.reuse(256).map(|p| p.seq), Some(1));
+        assert_eq!(f.reuse(512, u64::MAX).map(|p| p.seq), Some(last - 1));
+        assert_eq!(f.reuse(256, u64::MAX).map(|p| p.seq), Some(1));
     }
 
     #[test]
@@ -318,7 +321,7 @@ mod tests {
         assert!(f.drain_all_but(2, small, &mut out));
         assert_eq!(seqs(&out), [1, 2, 4, 6]);
         assert_eq!(f.bytes, 512 + 256);
-        assert_eq!(f.reuse(256).map(|p| p.seq), Some(5));
+        assert_eq!(f.reuse(256, u64::MAX).map(|p| p.seq), Some(5));
         assert_eq!(f.take(512, u64::MAX).map(|p| p.seq), Some(3));
         assert!(f.is_empty());
         // The latest qualifies and stays; keep 0 drains everything.

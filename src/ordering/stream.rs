@@ -77,10 +77,12 @@ impl<B: Backend> StreamShared<B> {
     }
 
     /// The hot path's allocation: a block of exactly `size` this stream
-    /// freed in `pool`, reused in its order without the pool's lock.
+    /// freed in `pool`, reused in its order without the pool's lock;
+    /// none once the stream's frees reach `held` (see
+    /// [`PoolFrees::reuse`]).
     #[inline]
-    pub(crate) fn reuse(&self, pool: u64, size: u64) -> Option<Pending> {
-        self.state().pending.get_mut(&pool)?.reuse(size)
+    pub(crate) fn reuse(&self, pool: u64, size: u64, held: u64) -> Option<Pending> {
+        self.state().pending.get_mut(&pool)?.reuse(size, held)
     }
 
     /// The hot path's free: the block goes to this stream's pending frees

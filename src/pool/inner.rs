@@ -70,6 +70,15 @@ pub(super) struct CallCounters {
     pub(super) grow_nanos: u64,
 }
 
+/// Whether the pool marks steps already, for [`Inner::take_emptied_mark`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StepMarks {
+    /// No step marked yet.
+    None,
+    /// Steps marked (by the pool, where the program emptied it).
+    Some,
+}
+
 /// Whose an allocation is. The program's go in the pool's recorded trace
 /// and count as used bytes; a step layout's region does neither: the
 /// planned allocations in it do (Note [Step layouts]).
@@ -108,6 +117,11 @@ pub(super) struct Inner<B: Backend> {
     pub(super) release_threshold: u64,
     /// Growth's count of moved units when the pool last started afresh.
     remaps_at_fresh: u64,
+    /// The most bytes the program has held since the pool last marked a
+    /// step where the program emptied it (Note [Steps at emptying]).
+    step_high: u64,
+    /// Growth's count of moved units when the pool last marked so.
+    remaps_at_mark: u64,
     pub(super) defragment: Defragment,
     fresh_start: FreshStart,
     /// The pool's id, for the logs.
@@ -150,6 +164,8 @@ impl<B: Backend> Inner<B> {
             },
             release_threshold: 0,
             remaps_at_fresh: 0,
+            step_high: 0,
+            remaps_at_mark: 0,
             defragment,
             fresh_start,
             pool,
@@ -228,6 +244,48 @@ impl<B: Backend> Inner<B> {
     fn raise_high(&mut self) {
         let held = self.usage.used.saturating_sub(self.usage.idle);
         self.usage.used_high = self.usage.used_high.max(held);
+        self.step_high = self.step_high.max(held);
+    }
+
+    /// Whether the pool marks a step before this allocation of the
+    /// program: since the pool last marked one so, the program has held at
+    /// least half the most it ever held, and then, at some moment since the
+    /// pool last counted, held none (as [`Inner::emptied`] reads it: by
+    /// what the allocating stream freed alone). A program that frees a
+    /// few small blocks as it starts a pass empties the pool too, but
+    /// ends no pass. Before the first mark, growth must also have moved
+    /// units (a loop that allocates and frees one buffer does not, and
+    /// keeps its hot path as it was). If so, the next step starts (Note
+    /// [Steps at emptying]).
+    pub(super) fn take_emptied_mark(
+        &mut self,
+        stream: Option<&Arc<StreamShared<B>>>,
+        marks: StepMarks,
+    ) -> bool {
+        if !self.marks_at_emptying(marks) || self.step_high < self.usage.used_high.div_ceil(2) {
+            return false;
+        }
+        let freed = stream.map_or(0, |s| self.streams.credit_high(s));
+        let emptied = freed >= self.held_bytes();
+        if emptied {
+            self.step_high = 0;
+            self.remaps_at_mark = self.growth.remaps;
+        }
+        emptied
+    }
+
+    /// Whether an emptying would mark a step: the program has held bytes
+    /// and, before the first mark, growth has moved units.
+    pub(super) fn marks_at_emptying(&self, marks: StepMarks) -> bool {
+        self.usage.used_high > 0
+            && (marks == StepMarks::Some || self.growth.remaps != self.remaps_at_mark)
+    }
+
+    /// The program's bytes, less what the streams freed since the pool
+    /// last settled their credit: exact right after a count.
+    pub(super) fn held_bytes(&self) -> u64 {
+        let planned = self.usage.planned_frees.load(Ordering::Acquire);
+        (self.usage.used - self.usage.idle).saturating_sub(planned)
     }
 
     pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {

@@ -46,7 +46,7 @@ use crate::sync::lock;
 use crate::trace::record::{record_path, Recorder};
 use crate::va::Va;
 use crate::{Error, Result};
-use inner::{Inner, Purpose};
+use inner::{Inner, Purpose, StepMarks};
 pub use sleep::{PrepareReport, Retention, SleepLevel, SleepReport, WakeReport};
 use stepping::Stepping;
 
@@ -58,6 +58,12 @@ struct Shared<B: Backend> {
     id: u64,
     /// The reservation's size: no allocation is larger.
     va_size: u64,
+    /// The program's bytes as the lock counted them after its last locked
+    /// allocation: a stream whose frees since reach them may have emptied
+    /// the pool, and its next allocation takes the lock, which marks a
+    /// step there. `u64::MAX` before the first, and once the program marks
+    /// its own steps (Note [Steps at emptying]).
+    held_at_count: AtomicU64,
     recorder: Option<Box<Recorder>>,
     /// Allocations exported to other processes and their leases.
     exports: Exports<B>,
@@ -71,6 +77,9 @@ struct Shared<B: Backend> {
     stepping: AtomicBool,
     /// A mark is due at the next allocation ([`Pool::mark_step_at_next_allocation`]).
     mark_due: AtomicBool,
+    /// The program has marked a step itself: the pool no longer marks one
+    /// where the program empties it (Note [Steps at emptying]).
+    marked_by_program: AtomicBool,
     backend: Arc<B>,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -88,6 +97,7 @@ struct Shared<B: Backend> {
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, asleep) < 64);
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, stepping) < 64);
 const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, mark_due) < 64);
+const _: () = assert!(std::mem::offset_of!(Shared<vmm::host::Host>, held_at_count) < 64);
 
 /// The pools of one device.
 pub(crate) type Siblings<B> = Mutex<Vec<WeakPool<B>>>;
@@ -206,6 +216,8 @@ impl<B: Backend> Pool<B> {
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
             mark_due: AtomicBool::new(false),
+            marked_by_program: AtomicBool::new(false),
+            held_at_count: AtomicU64::new(u64::MAX),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
         });
         let mut list = lock(siblings);
@@ -336,6 +348,15 @@ impl<B: Backend> Pool<B> {
         }
     }
 
+    /// Whether steps are marked (Note [Step layouts]).
+    fn step_marks(&self) -> StepMarks {
+        if self.0.stepping.load(Ordering::Acquire) {
+            StepMarks::Some
+        } else {
+            StepMarks::None
+        }
+    }
+
     /// Refuses a call while the pool sleeps (its memory is not mapped).
     fn awake(&self) -> Result<()> {
         if self.0.asleep.load(Ordering::Acquire) {
@@ -421,8 +442,10 @@ impl<B: Backend> Pool<B> {
     ) -> Result<Allocation> {
         if let Some(s) = stream {
             // The hot path: memory this stream freed, reused in its order,
-            // without the pool's lock.
-            if let Some(p) = s.reuse(self.0.id, rounded) {
+            // without the pool's lock; not once its frees may have emptied
+            // the pool (Note [Steps at emptying]).
+            let held = self.0.held_at_count.load(Ordering::Relaxed);
+            if let Some(p) = s.reuse(self.0.id, rounded, held) {
                 return Ok(self.hand_out(size, p, s.id, purpose));
             }
         }
@@ -443,6 +466,13 @@ impl<B: Backend> Pool<B> {
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
+            if purpose == Purpose::Program
+                && self.marks_at_emptying()
+                && inner.take_emptied_mark(stream, self.step_marks())
+            {
+                drop(inner);
+                return self.allocate_after_emptying_mark(size, rounded, stream);
+            }
             match inner.allocate(rounded, stream) {
                 Ok(p) => return Ok(self.hand_out_locked(inner, size, p, stream, purpose)),
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
@@ -519,6 +549,16 @@ impl<B: Backend> Pool<B> {
         purpose: Purpose,
     ) -> Allocation {
         inner.count_used(p.size, purpose);
+        if purpose == Purpose::Program && self.marks_at_emptying() {
+            // Only where an emptying would mark: otherwise the hot path
+            // serves as ever.
+            let held = if inner.marks_at_emptying(self.step_marks()) {
+                inner.held_bytes()
+            } else {
+                u64::MAX
+            };
+            self.0.held_at_count.store(held, Ordering::Relaxed);
+        }
         drop(inner);
         self.hand_out(size, p, stream.map_or(0, |s| s.id), purpose)
     }

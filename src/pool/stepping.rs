@@ -65,11 +65,44 @@ impl<B: Backend> Pool<B> {
     /// no room in its address space) is given up, not failed: the steps go
     /// on from the heap, [`StepCounters::refused`] counts it, and the next
     /// layout waits for a longer run of steps alike.
+    ///
+    /// A program that marks no step has one marked where it empties the
+    /// pool (Note [Steps at emptying] in docs/DESIGN.md); its first mark
+    /// ends that.
     pub fn mark_step(&self) -> Result<()> {
         self.awake()?;
+        self.0.marked_by_program.store(true, Ordering::Release);
+        self.0.held_at_count.store(u64::MAX, Ordering::Relaxed);
         if let Some(r) = &self.0.recorder {
             r.step();
         }
+        self.mark()
+    }
+
+    /// Whether the pool marks a step where the program empties it: until
+    /// the program marks one itself (Note [Steps at emptying]).
+    pub(super) fn marks_at_emptying(&self) -> bool {
+        !self.0.marked_by_program.load(Ordering::Acquire)
+    }
+
+    /// The allocation that finds the pool emptied by the program, after
+    /// the step mark that emptying makes (Note [Steps at emptying]).
+    pub(super) fn allocate_after_emptying_mark(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+    ) -> Result<Allocation> {
+        tracing::trace!(
+            pool = self.0.id,
+            "step marked: the program emptied the pool"
+        );
+        self.mark()?;
+        self.allocate_stepping(size, rounded, stream)
+    }
+
+    /// A step's end, marked by the program or where it emptied the pool.
+    fn mark(&self) -> Result<()> {
         self.0.stepping.store(true, Ordering::Release);
         let (wants, given_up, stream) = {
             let mut st = lock(&self.0.steps);
@@ -289,6 +322,12 @@ impl<B: Backend> Pool<B> {
         // Under the pool's lock, which also takes the stream's own frees:
         // rare enough not to need the lock-free path.
         let mut inner = self.lock();
+        // A program that marks no step and has emptied the pool: a step
+        // ends here, which the layout may serve (Note [Steps at emptying]).
+        if self.marks_at_emptying() && inner.take_emptied_mark(stream, self.step_marks()) {
+            drop(inner);
+            return self.allocate_after_emptying_mark(size, rounded, stream);
+        }
         // A program that has emptied the pool starts afresh, its idle
         // layout given up first so that its region goes too (Note
         // [Starting afresh]).
