@@ -181,6 +181,45 @@ pub fn a_layout_counts_only_what_the_program_holds<B: TestBackend>(b: &Arc<B>) {
     );
 }
 
+/// A step of more allocations than are planned in the allocation that
+/// carries the mark is planned on a thread of its own: the steps go on
+/// from the heap meanwhile, and the layout comes at a later mark, from
+/// which the steps are planned.
+pub fn a_large_step_is_planned_apart<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    let large_step = |pool: &Pool<B>| {
+        let mut live = Vec::new();
+        for i in 0..5000u64 {
+            live.push(pool.allocate_async(256 * (1 + i % 7), &s).unwrap());
+            if i % 3 == 2 {
+                pool.free_async(live.swap_remove(live.len() / 2), &s)
+                    .unwrap();
+            }
+        }
+        for a in live {
+            pool.free_async(a, &s).unwrap();
+        }
+        pool.mark_step().unwrap();
+    };
+    let mut marks = 0;
+    while pool.step_counters().layouts == 0 {
+        assert!(marks < 2000, "no layout after {marks} steps");
+        large_step(&pool);
+        marks += 1;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert!(
+        marks > 2,
+        "laid out at the first repeat: planned in the mark"
+    );
+    let before = pool.step_counters();
+    large_step(&pool);
+    let after = pool.step_counters();
+    assert_eq!(after.planned - before.planned, 5000, "{after:?}");
+    assert_eq!(after.missed, before.missed);
+    finish(&ctx, &pool, &s);
+}
+
 /// A program that marks no step but empties the pool after each has the
 /// pool mark them there (Note [Steps at emptying]): its repeated steps
 /// are laid out and then map nothing. Its own first mark ends that.
@@ -782,6 +821,7 @@ suites!(
     a_mark_at_the_next_allocation_takes_in_the_last_frees,
     a_layout_counts_only_what_the_program_holds,
     an_unmarked_pool_emptied_each_step_lays_it_out,
+    a_large_step_is_planned_apart,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,
     shapes_drawn_apart_settle_at_their_largest,

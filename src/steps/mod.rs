@@ -25,7 +25,11 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::layout::{lay_out, peak, Lifetime};
+use crate::layout::{peak, Lifetime};
+
+mod planning;
+
+use planning::{plan, Plan, Planning, PLANNED_APART};
 
 /// One event of a recorded step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +253,8 @@ pub(crate) struct Steps<R> {
     retired: Vec<R>,
     /// A layout waiting for its region.
     pending: Option<PendingLayout>,
+    /// A large step's layout being planned apart.
+    planning: Option<Planning>,
     counters: StepCounters,
     /// The largest peak any whole step has needed, at its own sizes.
     largest_peak: u64,
@@ -271,6 +277,7 @@ impl<R> Steps<R> {
             converted: FxHashMap::default(),
             retired: Vec::new(),
             pending: None,
+            planning: None,
             counters: StepCounters::default(),
             largest_peak: 0,
             repeated: 0,
@@ -557,10 +564,12 @@ impl<R> Steps<R> {
         });
         let mut wants = None;
         let awaited = 1 + self.short_lived.min(MOST_REPEATS_AWAITED);
-        let laid_out = (repeats && !fitted && self.repeated >= awaited)
-            .then(|| self.lay_out(&finished.events, &sizes))
-            .flatten();
-        if let Some((slots, len)) = laid_out {
+        let laid_out = if repeats && !fitted && self.repeated >= awaited {
+            self.plan_for(&finished.events, &sizes)
+        } else {
+            None
+        };
+        if let Some(Plan { slots, len }) = laid_out {
             wants = Some(len);
             self.pending = Some(PendingLayout {
                 slots,
@@ -592,32 +601,34 @@ impl<R> Steps<R> {
         wants
     }
 
-    /// Slots for the allocations of `events` freed within the step, sized
-    /// `sizes`, and the region's length; `None` if there are none, or if
-    /// the region would be more than [`SLACK_HUNDREDTHS`] of the largest
-    /// peak a step has needed (checked on the sizes' own peak first, which
-    /// no layout is below, so that steps of shapes that vary apart cost no
-    /// layout).
-    fn lay_out(&mut self, events: &[Event], sizes: &[u64]) -> Option<(Vec<Option<Slot>>, u64)> {
-        let (lifetimes, ordinals) = lifetimes(events, sizes, self.align);
-        if lifetimes.is_empty() {
-            // Nothing freed within the step: no slot, and a region of no
-            // bytes, which the heap cannot hold.
-            return None;
+    /// The layout for a step of `events` at `sizes` that repeats the one
+    /// before: planned here for a small step; for a large one, planned on
+    /// a thread of its own ([`Planning`]) and taken at a later mark whose
+    /// step is the one planned, so that no allocation waits for it.
+    fn plan_for(&mut self, events: &[Event], sizes: &[u64]) -> Option<Plan> {
+        let (align, largest_peak) = (self.align, self.largest_peak);
+        if sizes.len() <= PLANNED_APART {
+            return plan(events, sizes, align, largest_peak);
         }
-        let limit = self.largest_peak * SLACK_HUNDREDTHS / 100;
-        if peak(&lifetimes) > limit {
-            return None;
+        match self.planning.take_if(|p| p.is_ready()) {
+            Some(ready) if ready.serves(events, sizes) => {
+                let plan = ready.take();
+                if plan.is_none() {
+                    // Not to be laid out: wait for a longer run, as
+                    // after a refused region, before planning again.
+                    self.short_lived += 1;
+                    self.repeated = 0;
+                }
+                plan
+            }
+            // Another step's, or still under way.
+            Some(_) | None if self.planning.is_some() => None,
+            _ => {
+                self.planning =
+                    Planning::start(events.to_vec(), sizes.to_vec(), align, largest_peak);
+                None
+            }
         }
-        let layout = lay_out(&lifetimes, self.align, limit)?;
-        let mut slots = vec![None; sizes.len()];
-        for ((o, offset), l) in ordinals.iter().zip(layout.offsets).zip(&lifetimes) {
-            slots[*o as usize] = Some(Slot {
-                offset,
-                size: l.size,
-            });
-        }
-        Some((slots, layout.len))
     }
 
     /// The region the last mark asked for, allocated at `base`.
