@@ -247,6 +247,39 @@ pub fn an_unmarked_pool_emptied_each_step_lays_it_out<B: TestBackend>(b: &Arc<B>
     finish(&ctx, &pool, &s);
 }
 
+/// Steps marked where the program empties the pool that never repeat
+/// lay nothing out: after a run of them the pool marks no more, and the
+/// program's calls go as they did before (Note [Steps at emptying]). The
+/// program's own marks still lay its steps out.
+pub fn emptying_marks_that_lay_nothing_out_end<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    // Each step one more block held throughout than the one before: no
+    // two make the same events.
+    let unlike = |n: u64| {
+        let held: Vec<Allocation> = (0..n)
+            .map(|_| pool.allocate_async(64 * KIB, &s).unwrap())
+            .collect();
+        step(b.as_ref(), &pool, &s, 2);
+        for a in held {
+            pool.free_async(a, &s).unwrap();
+        }
+    };
+    for n in 0..40 {
+        unlike(n);
+    }
+    let marked = pool.step_counters().steps;
+    assert!((8..=24).contains(&marked), "{marked} steps marked");
+    for n in 40..50 {
+        unlike(n);
+    }
+    let counters = pool.step_counters();
+    assert_eq!(counters.steps, marked, "marked after giving up");
+    assert_eq!(counters.layouts, 0, "{counters:?}");
+    marked_steps(b.as_ref(), &pool, &s, 2, 6);
+    assert_eq!(pool.step_counters().layouts, 1, "the program's marks");
+    finish(&ctx, &pool, &s);
+}
+
 pub fn steps_of_changing_sizes_settle_at_the_largest<B: TestBackend>(b: &Arc<B>) {
     let (ctx, pool, s) = start(b);
     pool.mark_step().unwrap();
@@ -822,6 +855,7 @@ suites!(
     a_layout_counts_only_what_the_program_holds,
     an_unmarked_pool_emptied_each_step_lays_it_out,
     a_large_step_is_planned_apart,
+    emptying_marks_that_lay_nothing_out_end,
     steps_of_changing_sizes_settle_at_the_largest,
     shapes_that_vary_apart_are_not_laid_out,
     shapes_drawn_apart_settle_at_their_largest,

@@ -256,16 +256,19 @@ impl<B: Backend> Inner<B> {
     /// ends no pass. Before the first mark, growth must also have moved
     /// units (a loop that allocates and frees one buffer does not, and
     /// keeps its hot path as it was). If so, the next step starts (Note
-    /// [Steps at emptying]).
+    /// [Steps at emptying]). Only a stream-ordered allocation marks.
     pub(super) fn take_emptied_mark(
         &mut self,
         stream: Option<&Arc<StreamShared<B>>>,
         marks: StepMarks,
     ) -> bool {
+        let Some(stream) = stream else {
+            return false;
+        };
         if !self.marks_at_emptying(marks) || self.step_high < self.usage.used_high.div_ceil(2) {
             return false;
         }
-        let freed = stream.map_or(0, |s| self.streams.credit_high(s));
+        let freed = self.streams.credit_high(stream);
         let emptied = freed >= self.held_bytes();
         if emptied {
             self.step_high = 0;

@@ -77,9 +77,10 @@ struct Shared<B: Backend> {
     stepping: AtomicBool,
     /// A mark is due at the next allocation ([`Pool::mark_step_at_next_allocation`]).
     mark_due: AtomicBool,
-    /// The program has marked a step itself: the pool no longer marks one
-    /// where the program empties it (Note [Steps at emptying]).
-    marked_by_program: AtomicBool,
+    /// The pool no longer marks a step where the program empties it: the
+    /// program has marked one itself, or the pool's own marks laid nothing
+    /// out (Note [Steps at emptying]).
+    emptying_marks_off: AtomicBool,
     backend: Arc<B>,
     /// Chunks are created exportable ([`HandleType::PosixFileDescriptor`]).
     shareable: bool,
@@ -91,6 +92,10 @@ struct Shared<B: Backend> {
     /// memory: a graph pool's unused memory is what its graphs replay into.
     keeps_unused: AtomicBool,
     steps: Mutex<Stepping<B>>,
+    /// Held through a step mark, from the steps' mark to its region's
+    /// install: marks made where the program empties the pool come from
+    /// any of its threads, and each takes the layout the last one left.
+    marking: Mutex<()>,
 }
 
 // What every call reads outside the lock lies on the first cache line.
@@ -216,9 +221,10 @@ impl<B: Backend> Pool<B> {
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
             mark_due: AtomicBool::new(false),
-            marked_by_program: AtomicBool::new(false),
+            emptying_marks_off: AtomicBool::new(false),
             held_at_count: AtomicU64::new(u64::MAX),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
+            marking: Mutex::new(()),
         });
         let mut list = lock(siblings);
         list.retain(WeakPool::is_alive);

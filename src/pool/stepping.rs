@@ -22,6 +22,9 @@ use super::{Pool, Purpose};
 /// The layouts and the stream they serve.
 pub(super) struct Stepping<B: Backend> {
     steps: Steps<Allocation>,
+    /// The pool's own marks in a row that laid nothing out (Note [Steps at
+    /// emptying]).
+    unlaid_marks: u32,
     /// The layout's stream, once an allocation has fixed it (`None` also
     /// for synchronous calls): regions are allocated and freed on it.
     stream: Option<Stream<B>>,
@@ -35,12 +38,26 @@ impl<B: Backend> Stepping<B> {
     pub(super) fn new(captures: Arc<Captures>, planned_frees: Arc<AtomicU64>) -> Self {
         Self {
             steps: Steps::new(QUANTUM),
+            unlaid_marks: 0,
             stream: None,
             captures,
             planned_frees,
         }
     }
 }
+
+/// Who marked a step's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MarkedBy {
+    Program,
+    /// The pool, where the program emptied it (Note [Steps at emptying]).
+    Emptying,
+}
+
+/// The pool's own marks in a row that may lay nothing out before it marks
+/// no more (Note [Steps at emptying]): more than a layout awaits when its
+/// steps repeat ([`crate::steps`]'s longest wait is nine marks).
+const EMPTYING_MARKS_UNLAID: u32 = 16;
 
 /// Memory the layouts gave up, to free on the layout's stream once the
 /// steps' lock is let go: the work queued there may still use it.
@@ -71,18 +88,25 @@ impl<B: Backend> Pool<B> {
     /// ends that.
     pub fn mark_step(&self) -> Result<()> {
         self.awake()?;
-        self.0.marked_by_program.store(true, Ordering::Release);
-        self.0.held_at_count.store(u64::MAX, Ordering::Relaxed);
+        self.stop_emptying_marks();
         if let Some(r) = &self.0.recorder {
             r.step();
         }
-        self.mark()
+        self.mark(MarkedBy::Program)
     }
 
     /// Whether the pool marks a step where the program empties it: until
-    /// the program marks one itself (Note [Steps at emptying]).
+    /// the program marks one itself, or the pool's own marks lay nothing
+    /// out (Note [Steps at emptying]).
     pub(super) fn marks_at_emptying(&self) -> bool {
-        !self.0.marked_by_program.load(Ordering::Acquire)
+        !self.0.emptying_marks_off.load(Ordering::Acquire)
+    }
+
+    /// The pool marks no more steps where the program empties it, and its
+    /// hot path no longer declines for them.
+    fn stop_emptying_marks(&self) {
+        self.0.emptying_marks_off.store(true, Ordering::Release);
+        self.0.held_at_count.store(u64::MAX, Ordering::Relaxed);
     }
 
     /// The allocation that finds the pool emptied by the program, after
@@ -97,16 +121,44 @@ impl<B: Backend> Pool<B> {
             pool = self.0.id,
             "step marked: the program emptied the pool"
         );
-        self.mark()?;
+        self.mark(MarkedBy::Emptying)?;
+        if !self.0.stepping.load(Ordering::Acquire) {
+            // The pool's marks gave up (see [`Pool::mark`]).
+            return self.allocate_locked(size, rounded, stream, Purpose::Program);
+        }
         self.allocate_stepping(size, rounded, stream)
     }
 
     /// A step's end, marked by the program or where it emptied the pool.
-    fn mark(&self) -> Result<()> {
+    /// [`EMPTYING_MARKS_UNLAID`] of the pool's own marks in a row that
+    /// lay nothing out (steps that never repeat, or whose layout is not
+    /// to be had) end its marks and its steps: the program's calls go as
+    /// they did before the first.
+    fn mark(&self, by: MarkedBy) -> Result<()> {
+        let _marking = lock(&self.0.marking);
         self.0.stepping.store(true, Ordering::Release);
         let (wants, given_up, stream) = {
             let mut st = lock(&self.0.steps);
             let wants = st.steps.mark();
+            if by == MarkedBy::Emptying {
+                st.unlaid_marks = if wants.is_none() && st.steps.lays_out_nothing() {
+                    st.unlaid_marks + 1
+                } else {
+                    0
+                };
+                if st.unlaid_marks >= EMPTYING_MARKS_UNLAID {
+                    tracing::debug!(
+                        pool = self.0.id,
+                        marks = st.unlaid_marks,
+                        "no more steps marked at emptying: none laid out"
+                    );
+                    self.stop_emptying_marks();
+                    self.0.stepping.store(false, Ordering::Release);
+                    st.steps.forget_steps();
+                    st.stream = None;
+                    return Ok(());
+                }
+            }
             let given_up = self.given_up(&mut st);
             let stream = st.stream.clone();
             if !st.steps.has_stream() {
@@ -150,6 +202,16 @@ impl<B: Backend> Pool<B> {
                 }
             }
         }
+    }
+
+    /// Waits until a step layout being planned on a thread of its own (a
+    /// step of many allocations, Note [Steps at emptying] in
+    /// docs/DESIGN.md) is ready, so that the next mark whose step it
+    /// serves takes it; returns at once if none is. For replays and tests
+    /// whose steps should lay out at the same mark on any machine. Calls
+    /// that record steps wait with it.
+    pub fn await_step_plan(&self) {
+        lock(&self.0.steps).steps.await_plan();
     }
 
     /// Marks the end of a step at the pool's next allocation, before that

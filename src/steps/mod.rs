@@ -416,6 +416,34 @@ impl<R> Steps<R> {
     }
 
     /// Whether a stream is the layout's (none since a quiet step).
+    /// Whether no layout is under way: none serves, waits for its region
+    /// or is being planned, and nothing of one is left to free.
+    pub(crate) fn lays_out_nothing(&self) -> bool {
+        self.active.is_none()
+            && self.pending.is_none()
+            && self.planning.is_none()
+            && self.splitting.is_empty()
+            && self.converted.is_empty()
+            && self.retired.is_empty()
+    }
+
+    /// Waits for a layout being planned apart, if any, to be ready.
+    pub(crate) fn await_plan(&mut self) {
+        if let Some(planning) = &mut self.planning {
+            planning.wait();
+        }
+    }
+
+    /// Forgets the steps recorded, as the pool stops marking them: steps
+    /// marked later start a new run.
+    pub(crate) fn forget_steps(&mut self) {
+        debug_assert!(self.lays_out_nothing());
+        self.stream = None;
+        self.current = Recording::default();
+        self.previous = None;
+        self.repeated = 0;
+    }
+
     pub(crate) fn has_stream(&self) -> bool {
         self.stream.is_some()
     }
@@ -635,7 +663,7 @@ impl<R> Steps<R> {
     pub(crate) fn install(&mut self, base: u64, memory: R) {
         let PendingLayout { slots, events, len } =
             self.pending.take().expect("a layout waits for its region");
-        self.active = Some(Active {
+        let replaced = self.active.replace(Active {
             slots,
             events,
             region: Region {
@@ -647,6 +675,10 @@ impl<R> Steps<R> {
             since: self.counters.steps,
             grown_past: 0,
         });
+        debug_assert!(replaced.is_none(), "a mark installs over a layout");
+        if let Some(old) = replaced {
+            self.retire(old.region);
+        }
         self.counters.layouts += 1;
     }
 

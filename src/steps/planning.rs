@@ -59,7 +59,14 @@ pub(super) struct Planning {
     /// if that step makes the same events at sizes no larger.
     events: Vec<Event>,
     sizes: Vec<u64>,
-    thread: JoinHandle<Option<Plan>>,
+    progress: Progress,
+}
+
+/// How far a [`Planning`] has come.
+enum Progress {
+    Running(JoinHandle<Option<Plan>>),
+    /// Waited for ([`Planning::wait`]): the plan, if one was found.
+    Done(Option<Plan>),
 }
 
 impl std::fmt::Debug for Planning {
@@ -88,7 +95,7 @@ impl Planning {
             Ok(thread) => Some(Self {
                 events,
                 sizes,
-                thread,
+                progress: Progress::Running(thread),
             }),
             Err(err) => {
                 tracing::warn!(%err, "step layout not planned: no thread");
@@ -98,7 +105,19 @@ impl Planning {
     }
 
     pub(super) fn is_ready(&self) -> bool {
-        self.thread.is_finished()
+        match &self.progress {
+            Progress::Running(thread) => thread.is_finished(),
+            Progress::Done(_) => true,
+        }
+    }
+
+    /// Waits until the plan is ready.
+    pub(super) fn wait(&mut self) {
+        if let Progress::Running(thread) =
+            std::mem::replace(&mut self.progress, Progress::Done(None))
+        {
+            self.progress = Progress::Done(thread.join().ok().flatten());
+        }
     }
 
     /// Whether the plan serves a step of `events` at `sizes`.
@@ -114,6 +133,9 @@ impl Planning {
 
     /// The plan, once ready (see [`Planning::is_ready`]).
     pub(super) fn take(self) -> Option<Plan> {
-        self.thread.join().ok().flatten()
+        match self.progress {
+            Progress::Running(thread) => thread.join().ok().flatten(),
+            Progress::Done(plan) => plan,
+        }
     }
 }

@@ -24,7 +24,9 @@
 //! a cache) while its models come and go: the pool is then never empty
 //! between passes, and does not start afresh there (Note [Starting
 //! afresh]); `--fresh-start never` keeps each pass's layout for the next
-//! with nothing held.
+//! with nothing held. Between passes, vmpool's replay waits for a step
+//! layout being planned apart (`Pool::await_step_plan`), so that the pass
+//! it comes at is the same on any machine.
 
 use std::fs::File;
 use std::io::IsTerminal;
@@ -233,6 +235,8 @@ trait Replayed {
     fn mark_step(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Between passes, outside the clock.
+    fn between_passes(&mut self) {}
 }
 
 /// Where a replay marks steps (`Pool::mark_step`).
@@ -327,6 +331,7 @@ fn replay<A: Replayed>(a: &mut A, trace: &Trace, schedule: &Schedule) -> Result<
         }
         measured.peaks.push(a.reserved_high()?);
         measured.maps.push(a.maps() - maps_before);
+        a.between_passes();
     }
     if let Some(held) = held {
         a.free(held)?;
@@ -368,6 +373,9 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
     }
     fn mark_step(&mut self) -> Result<()> {
         Ok(self.pool.mark_step()?)
+    }
+    fn between_passes(&mut self) {
+        self.pool.await_step_plan();
     }
 }
 
