@@ -25,11 +25,11 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::layout::{peak, Lifetime};
+use crate::layout::peak;
 
 mod planning;
 
-use planning::{plan, Plan, Planning, PLANNED_APART};
+use planning::{lifetimes, plan, Plan, Planning, PLANNED_APART};
 
 /// One event of a recorded step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -693,28 +693,4 @@ impl<R> Steps<R> {
         self.short_lived += 1;
         self.repeated = 0;
     }
-}
-
-/// The lifetimes of the allocations of `events` freed within the step,
-/// sized `sizes` rounded up to `align`, with their ordinals.
-fn lifetimes(events: &[Event], sizes: &[u64], align: u64) -> (Vec<Lifetime>, Vec<u32>) {
-    let mut starts: Vec<Option<u32>> = vec![None; sizes.len()];
-    let mut lifetimes = Vec::new();
-    let mut ordinals = Vec::new();
-    for (i, event) in events.iter().enumerate() {
-        match *event {
-            Event::Alloc(o) => starts[o as usize] = Some(i as u32),
-            Event::Free(o) => {
-                if let Some(start) = starts[o as usize].take() {
-                    lifetimes.push(Lifetime {
-                        size: sizes[o as usize].next_multiple_of(align),
-                        start,
-                        end: i as u32 + 1,
-                    });
-                    ordinals.push(o);
-                }
-            }
-        }
-    }
-    (lifetimes, ordinals)
 }

@@ -5,9 +5,9 @@
 
 use std::thread::JoinHandle;
 
-use crate::layout::{lay_out, peak};
+use crate::layout::{lay_out, peak, Lifetime};
 
-use super::{lifetimes, Event, Slot, SLACK_HUNDREDTHS};
+use super::{Event, Slot, SLACK_HUNDREDTHS};
 
 /// Steps of more allocations than this are planned apart. Planning is
 /// quadratic in the allocations that meet one another: a training step
@@ -138,4 +138,28 @@ impl Planning {
             Progress::Done(plan) => plan,
         }
     }
+}
+
+/// The lifetimes of the allocations of `events` freed within the step,
+/// sized `sizes` rounded up to `align`, with their ordinals.
+pub(super) fn lifetimes(events: &[Event], sizes: &[u64], align: u64) -> (Vec<Lifetime>, Vec<u32>) {
+    let mut starts: Vec<Option<u32>> = vec![None; sizes.len()];
+    let mut lifetimes = Vec::new();
+    let mut ordinals = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        match *event {
+            Event::Alloc(o) => starts[o as usize] = Some(i as u32),
+            Event::Free(o) => {
+                if let Some(start) = starts[o as usize].take() {
+                    lifetimes.push(Lifetime {
+                        size: sizes[o as usize].next_multiple_of(align),
+                        start,
+                        end: i as u32 + 1,
+                    });
+                    ordinals.push(o);
+                }
+            }
+        }
+    }
+    (lifetimes, ordinals)
 }

@@ -106,6 +106,28 @@ pub fn run(tool: &str, main: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// `--defragment`: [`vmpool::Defragment`] as the command line spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DefragmentArg {
+    /// `off`: growth maps new memory for every range that does not fit.
+    Off,
+    /// `units`: spare chunks and any free unit (the default).
+    Units,
+    /// `whole-regions`: spare chunks, and the units of regions with no
+    /// live byte only.
+    WholeRegions,
+}
+
+impl From<DefragmentArg> for vmpool::Defragment {
+    fn from(arg: DefragmentArg) -> Self {
+        match arg {
+            DefragmentArg::Off => vmpool::Defragment::Off,
+            DefragmentArg::Units => vmpool::Defragment::Units,
+            DefragmentArg::WholeRegions => vmpool::Defragment::WholeRegions,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

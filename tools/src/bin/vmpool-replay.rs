@@ -40,9 +40,9 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use vmpool::trace::{Trace, TraceOp};
 use vmpool::vmm::{self, Backend, DeviceId};
-use vmpool::{Context, Defragment, FreshStart, PoolAttribute, PoolProps};
+use vmpool::{Context, FreshStart, PoolAttribute, PoolProps};
 
-use vmpool_tools::{BackendKind, Bytes};
+use vmpool_tools::{BackendKind, Bytes, DefragmentArg};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum AllocatorKind {
@@ -69,24 +69,6 @@ impl std::fmt::Display for Divisor {
 
 fn parse_divisor(s: &str) -> Result<Divisor, String> {
     vmpool::parse_chunk_divisor(s).map(Divisor)
-}
-
-/// `--defragment`: [`Defragment`] as the command line spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DefragmentArg {
-    Off,
-    Units,
-    WholeRegions,
-}
-
-impl From<DefragmentArg> for Defragment {
-    fn from(arg: DefragmentArg) -> Self {
-        match arg {
-            DefragmentArg::Off => Defragment::Off,
-            DefragmentArg::Units => Defragment::Units,
-            DefragmentArg::WholeRegions => Defragment::WholeRegions,
-        }
-    }
 }
 
 #[derive(Parser)]
