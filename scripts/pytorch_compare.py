@@ -583,6 +583,7 @@ def long_table(results):
 
 
 def main():
+    global WARMUP
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", choices=list(BUILD))
@@ -601,6 +602,9 @@ def main():
                         "clock reads' cost in its step time")
     p.add_argument("--table", metavar="JSON", nargs="+",
                    help="print the tables of earlier runs' --json (several: their runs together) and exit")
+    p.add_argument("--from-step", type=int, default=WARMUP, metavar="N",
+                   help=f"time steps from step N on, the first N being warm-up (default {WARMUP}); "
+                        "with --table, a steady state after a layout, say")
     p.add_argument("--calls-trace", metavar="FILE[,FILE...]",
                    help="the traces the calls probe replays, each a workload of its own (the shared format, "
                         "gzip or plain; default: GPT-2 training's)")
@@ -609,6 +613,9 @@ def main():
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.from_step < 0:
+        raise SystemExit("--from-step: a step number, 0 or more")
+    WARMUP = args.from_step
     if args.table:
         results = [r for path in args.table for r in json.loads(Path(path).read_text())]
         failed = table(results)
