@@ -136,6 +136,11 @@ impl<B: Backend> Pool<B> {
     /// they did before the first.
     fn mark(&self, by: MarkedBy) -> Result<()> {
         let _marking = lock(&self.0.marking);
+        if by == MarkedBy::Emptying && !self.marks_at_emptying() {
+            // The program marked a step meanwhile, on another thread: its
+            // marks are the only ones now.
+            return Ok(());
+        }
         self.0.stepping.store(true, Ordering::Release);
         let (wants, given_up, stream) = {
             let mut st = lock(&self.0.steps);
