@@ -464,6 +464,18 @@ fn filled_where_growth_allows<B: TestBackend>(
     live
 }
 
+/// The end of a fault-injection case: every allocation freed and the
+/// pool trimmed. The fault may fall in the trim instead, outside sleep and
+/// wake; the trim tried again then works.
+fn free_and_trim<B: TestBackend>(pool: &Pool<B>, live: Vec<(Allocation, u32)>) {
+    for (a, _) in live {
+        pool.free(a).unwrap();
+    }
+    if pool.trim_to(0).is_err() {
+        pool.trim_to(0).unwrap();
+    }
+}
+
 /// Every driver call sleep and wake make, failed in turn: a failed sleep
 /// leaves the pool awake with its bytes, a failed wake leaves it asleep
 /// with its bytes on the host, and a retry succeeds; nothing leaks.
@@ -502,13 +514,7 @@ fn faults_in_sleep_and_wake_lose_nothing() {
             check_filled(b, &s, &live);
             pool.audit().unwrap();
         }
-        for (a, _) in live {
-            pool.free(a).unwrap();
-        }
-        // The fault may fall here instead, outside sleep and wake.
-        if pool.trim_to(0).is_err() {
-            pool.trim_to(0).unwrap();
-        }
+        free_and_trim(&pool, live);
         drop(pool);
         drop(ctx);
         b.disarm()
@@ -539,12 +545,7 @@ fn faults_in_preparing_lose_nothing() {
         }
         check_filled(b, &s, &live);
         pool.audit().unwrap();
-        for (a, _) in live {
-            pool.free(a).unwrap();
-        }
-        if pool.trim_to(0).is_err() {
-            pool.trim_to(0).unwrap();
-        }
+        free_and_trim(&pool, live);
         drop(pool);
         drop(ctx);
         b.disarm()

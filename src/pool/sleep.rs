@@ -131,15 +131,32 @@ impl<B: Backend> Pool<B> {
     /// the pool is left asleep ([`Pool::is_asleep`]) with those batches'
     /// bytes on the host, and [`Pool::wake`] brings them back.
     pub fn sleep(&self, level: SleepLevel, stream: &Stream<B>) -> Result<SleepReport> {
-        self.same_device(stream)?;
-        if self.0.exports.leases() > 0 {
-            return Err(Error::SleepState("shared with another process"));
-        }
+        self.may_sleep(stream)?;
         let mut inner = self.lock();
         let retention = match level {
             SleepLevel::KeepTagged => inner.retention,
             SleepLevel::DiscardAll => Retention::Discard,
         };
+        self.sleep_locked(&mut inner, retention, stream)
+    }
+
+    /// Refuses a sleep on another device's stream, or of a pool shared
+    /// with another process.
+    fn may_sleep(&self, stream: &Stream<B>) -> Result<()> {
+        self.same_device(stream)?;
+        if self.0.exports.leases() > 0 {
+            return Err(Error::SleepState("shared with another process"));
+        }
+        Ok(())
+    }
+
+    /// The sleep itself, under the pool's lock.
+    fn sleep_locked(
+        &self,
+        inner: &mut Inner<B>,
+        retention: Retention,
+        stream: &Stream<B>,
+    ) -> Result<SleepReport> {
         let report = inner.sleep(&self.0.backend, retention, &stream.0);
         // Asleep also after a failed release that could not be undone.
         if inner.slumber.is_some() {
@@ -178,17 +195,10 @@ impl<B: Backend> Pool<B> {
     /// leave it: awake and intact, or, should the wake lack device memory,
     /// asleep with the bytes on the host, to be woken later.
     pub fn prepare_sleep(&self, stream: &Stream<B>) -> Result<PrepareReport> {
-        self.same_device(stream)?;
-        if self.0.exports.leases() > 0 {
-            return Err(Error::SleepState("shared with another process"));
-        }
+        self.may_sleep(stream)?;
         let mut inner = self.lock();
         let chunks_before = inner.space.units().len() as u64;
-        let slept = inner.sleep(&self.0.backend, Retention::Keep, &stream.0);
-        if inner.slumber.is_some() {
-            self.0.asleep.store(true, Ordering::Release);
-        }
-        let sleep = slept?;
+        let sleep = self.sleep_locked(&mut inner, Retention::Keep, stream)?;
         let wake = inner.wake(&self.0.backend, &stream.0)?;
         self.0.asleep.store(false, Ordering::Release);
         Ok(PrepareReport {
