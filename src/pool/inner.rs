@@ -257,24 +257,27 @@ impl<B: Backend> Inner<B> {
     /// units (a loop that allocates and frees one buffer does not, and
     /// keeps its hot path as it was). If so, the next step starts (Note
     /// [Steps at emptying]). Only a stream-ordered allocation marks.
-    pub(super) fn take_emptied_mark(
-        &mut self,
-        stream: Option<&Arc<StreamShared<B>>>,
-        marks: StepMarks,
-    ) -> bool {
-        let Some(stream) = stream else {
+    pub(super) fn take_emptied_mark(&mut self, freed: Option<u64>, marks: StepMarks) -> bool {
+        let Some(freed) = freed else {
             return false;
         };
         if !self.marks_at_emptying(marks) || self.step_high < self.usage.used_high.div_ceil(2) {
             return false;
         }
-        let freed = self.streams.credit_high(stream);
         let emptied = freed >= self.held_bytes();
         if emptied {
             self.step_high = 0;
             self.remaps_at_mark = self.growth.remaps;
         }
         emptied
+    }
+
+    /// What the allocating stream freed since the pool last settled the
+    /// streams' credit (`None` for a synchronous call): read once a locked
+    /// allocation, for both [`Inner::take_emptied_mark`] and
+    /// [`Inner::allocate`].
+    pub(super) fn freed_by(&self, stream: Option<&Arc<StreamShared<B>>>) -> Option<u64> {
+        stream.map(|s| self.streams.credit_high(s))
     }
 
     /// Whether an emptying would mark a step: the program has held bytes
@@ -303,8 +306,9 @@ impl<B: Backend> Inner<B> {
         &mut self,
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
+        freed: Option<u64>,
     ) -> Result<Pending> {
-        if self.emptied(stream) {
+        if self.emptied(freed) {
             self.start_afresh(stream)?;
         }
         let found = self.with_request(size, stream, |inner, request| {
@@ -321,13 +325,12 @@ impl<B: Backend> Inner<B> {
     /// the pool last counted, by what the allocating stream freed alone,
     /// with growth having moved units since the pool last started afresh
     /// (Note [Starting afresh]).
-    fn emptied(&self, stream: Option<&Arc<StreamShared<B>>>) -> bool {
+    fn emptied(&self, freed: Option<u64>) -> bool {
         if !self.may_start_afresh() {
             return false;
         }
         let held = self.usage.used - self.usage.idle;
-        let freed = stream.map_or(0, |s| self.streams.credit_high(s));
-        freed >= held
+        freed.unwrap_or(0) >= held
     }
 
     /// Whether the program holds no byte of the pool now, with growth

@@ -472,14 +472,15 @@ impl<B: Backend> Pool<B> {
         let mut released_others = false;
         loop {
             let mut inner = self.lock();
+            let freed = inner.freed_by(stream);
             if purpose == Purpose::Program
                 && self.marks_at_emptying()
-                && inner.take_emptied_mark(stream, self.step_marks())
+                && inner.take_emptied_mark(freed, self.step_marks())
             {
                 drop(inner);
                 return self.allocate_after_emptying_mark(size, rounded, stream);
             }
-            match inner.allocate(rounded, stream) {
+            match inner.allocate(rounded, stream, freed) {
                 Ok(p) => return Ok(self.hand_out_locked(inner, size, p, stream, purpose)),
                 Err(Error::Driver(e)) if e.kind() == ErrorKind::OutOfMemory && !released_others => {
                     // Pending frees become free once their streams finish.

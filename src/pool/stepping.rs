@@ -391,7 +391,8 @@ impl<B: Backend> Pool<B> {
         let mut inner = self.lock();
         // A program that marks no step and has emptied the pool: a step
         // ends here, which the layout may serve (Note [Steps at emptying]).
-        if self.marks_at_emptying() && inner.take_emptied_mark(stream, self.step_marks()) {
+        let freed = inner.freed_by(stream);
+        if self.marks_at_emptying() && inner.take_emptied_mark(freed, self.step_marks()) {
             drop(inner);
             return self.allocate_after_emptying_mark(size, rounded, stream);
         }
