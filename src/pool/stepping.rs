@@ -11,7 +11,7 @@ use vmm::Backend;
 
 use crate::allocation::Allocation;
 use crate::capture::Captures;
-use crate::heap::QUANTUM;
+use crate::heap::{BlockId, QUANTUM};
 use crate::ordering::{Pending, Stream, StreamShared};
 use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
@@ -349,7 +349,7 @@ impl<B: Backend> Pool<B> {
             Placement::Planned(ptr) => {
                 let p = Pending {
                     arena: crate::arena::ArenaId::Large,
-                    block: crate::heap::BlockId::PLANNED,
+                    block: BlockId::PLANNED,
                     ptr,
                     size: rounded,
                     seq: 0,
@@ -365,6 +365,16 @@ impl<B: Backend> Pool<B> {
                 } else {
                     self.allocate_from_heap(size, rounded, stream, Purpose::Program)?
                 };
+                // One that found the pool emptied was placed again, after
+                // the step mark it made (`Pool::allocate_after_emptying_mark`),
+                // and may be planned there: where another thread's
+                // allocations took the new step's first ordinals, its own
+                // has a slot. The tag taken before the mark would send its
+                // free to the heap, its slot never freed. (A heap one keeps
+                // the stale tag: its free is no step's event, as before.)
+                if allocation.block == BlockId::PLANNED {
+                    return Ok(allocation);
+                }
                 Ok(Allocation {
                     step: tag,
                     ..allocation
