@@ -28,15 +28,10 @@ use rustc_hash::FxHashMap;
 use crate::layout::peak;
 
 mod planning;
+mod region;
 
 use planning::{lifetimes, plan, Plan, Planning, PLANNED_APART};
-
-/// One event of a recorded step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Event {
-    Alloc(u32),
-    Free(u32),
-}
+use region::{Active, Event, Live, Region, Slot};
 
 /// A step as it happens: its events, and each ordinal's size.
 #[derive(Debug, Default)]
@@ -92,73 +87,6 @@ const MAX_ALLOCATIONS: usize = 1 << 21;
 pub(crate) struct StepTag {
     step: u64,
     ordinal: u32,
-}
-
-/// Where a slot lies in its region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Slot {
-    offset: u64,
-    size: u64,
-}
-
-/// A planned allocation that is live.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Live {
-    end: u64,
-    ordinal: u32,
-    /// The mark it was made after: a free in a later step is not that
-    /// step's event.
-    step: u64,
-}
-
-/// The memory a layout's slots lie in: one allocation of the pool's, held
-/// by [`Steps`] as `R` (the pool's allocation type), and the planned
-/// allocations live in it.
-#[derive(Debug)]
-struct Region<R> {
-    base: u64,
-    len: u64,
-    live: BTreeMap<u64, Live>,
-    memory: R,
-}
-
-impl<R> Region<R> {
-    fn contains(&self, ptr: u64) -> bool {
-        (self.base..self.base + self.len).contains(&ptr)
-    }
-
-    /// Whether `[at, at + size)` is clear of live planned allocations.
-    /// They never overlap one another, so the last that starts before the
-    /// range ends is the one that ends last: if it ends by `at`, all do.
-    fn is_clear(&self, at: u64, size: u64) -> bool {
-        let last = self.live.range(..at + size).next_back();
-        last.is_none_or(|(_, l)| l.end <= at)
-    }
-}
-
-/// The layout in use: a slot per ordinal (`None`: the ordinal lived past
-/// its step, or was never seen), and the region they lie in.
-#[derive(Debug)]
-struct Active<R> {
-    slots: Vec<Option<Slot>>,
-    /// The events of the steps it was made from: a step is served from the
-    /// layout only while its own events are these.
-    events: Vec<Event>,
-    region: Region<R>,
-    /// The marks made when it was installed: the step it serves first is
-    /// the one that ends at the next.
-    since: u64,
-    /// Bytes the heap grew for, past the layout's last event
-    /// ([`Steps::grow_past`]).
-    grown_past: u64,
-}
-
-impl<R> Active<R> {
-    /// Whether a step of `events` events so far has gone past this
-    /// layout's last with nothing planned live ([`Steps::overran`]).
-    fn overran_by(&self, events: usize) -> bool {
-        events > self.events.len() && self.region.live.is_empty()
-    }
 }
 
 /// A region to split around its live planned allocations.

@@ -7,7 +7,8 @@ use std::thread::JoinHandle;
 
 use crate::layout::{lay_out, peak, Lifetime};
 
-use super::{Event, Slot, SLACK_HUNDREDTHS};
+use super::region::{Event, Slot};
+use super::SLACK_HUNDREDTHS;
 
 /// Steps of more allocations than this are planned apart. Planning is
 /// quadratic in the allocations that meet one another: a training step
