@@ -79,7 +79,7 @@ impl<B: Backend> StreamShared<B> {
     /// The hot path's allocation: a block of exactly `size` this stream
     /// freed in `pool`, reused in its order without the pool's lock;
     /// none once the stream's frees reach `held` (see
-    /// [`PoolFrees::reuse`]).
+    /// [`super::frees::PoolFrees::reuse`]).
     #[inline]
     pub(crate) fn reuse(&self, pool: u64, size: u64, held: u64) -> Option<Pending> {
         self.state().pending.get_mut(&pool)?.reuse(size, held)
