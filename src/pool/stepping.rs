@@ -370,8 +370,12 @@ impl<B: Backend> Pool<B> {
                 // and may be planned there: where another thread's
                 // allocations took the new step's first ordinals, its own
                 // has a slot. The tag taken before the mark would send its
-                // free to the heap, its slot never freed. (A heap one keeps
-                // the stale tag: its free is no step's event, as before.)
+                // free to the heap, its slot never freed. (One from the heap
+                // keeps that tag, as it always has: its free is then no
+                // event of the new step, whose first ordinal gets no slot.
+                // Given a slot, it leaves the steps wholly planned, and the
+                // pool missed the next emptying: tests/steps.rs's pool
+                // emptied each step lost its layout at the sixth.)
                 if allocation.block == BlockId::PLANNED {
                     return Ok(allocation);
                 }
