@@ -126,7 +126,19 @@ impl<B: Backend> Pool<B> {
             // The pool's marks gave up (see [`Pool::mark`]).
             return self.allocate_locked(size, rounded, stream, Purpose::Program);
         }
-        self.allocate_stepping(size, rounded, stream)
+        let allocation = self.allocate_stepping(size, rounded, stream)?;
+        if allocation.block == BlockId::PLANNED {
+            return Ok(allocation);
+        }
+        // The step's first allocation, from the heap: its free is no event
+        // of the step, as where a step under way made the mark (see
+        // `Pool::allocate_stepping`), so that the first step the pool
+        // marks records what the later ones do and the second can repeat
+        // it, and no step is wholly planned.
+        Ok(Allocation {
+            step: None,
+            ..allocation
+        })
     }
 
     /// A step's end, marked by the program or where it emptied the pool.
