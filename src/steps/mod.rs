@@ -21,8 +21,6 @@
 //! ends the layout, and its region goes back to the pool at once, split
 //! around the planned allocations still live in it.
 
-use std::collections::BTreeMap;
-
 use rustc_hash::FxHashMap;
 
 use crate::layout::peak;
@@ -267,7 +265,7 @@ impl<R> Steps<R> {
                         ordinal,
                         step: self.counters.steps,
                     };
-                    active.region.live.insert(at, live);
+                    active.region.insert(at, live);
                     self.counters.planned += 1;
                     return Placement::Planned(at);
                 }
@@ -312,7 +310,7 @@ impl<R> Steps<R> {
     /// split around its live planned allocations, which become heap
     /// allocations, so that the rest goes back to the heap at once.
     fn retire(&mut self, region: Region<R>) {
-        if region.live.is_empty() {
+        if region.is_idle() {
             self.retired.push(region.memory);
         } else {
             self.splitting.push(region);
@@ -330,13 +328,9 @@ impl<R> Steps<R> {
         }
         self.splitting
             .drain(..)
-            .map(|r| Split {
-                memory: r.memory,
-                live: r
-                    .live
-                    .into_iter()
-                    .map(|(at, l)| (at, l.end - at, l))
-                    .collect(),
+            .map(|r| {
+                let (memory, live) = r.into_parts();
+                Split { memory, live }
             })
             .collect()
     }
@@ -383,7 +377,7 @@ impl<R> Steps<R> {
     /// Gives the layout up if nothing planned lives in it now (the pool is
     /// asked for its unused memory): its region is retired.
     pub(crate) fn give_up_if_idle(&mut self) {
-        if let Some(active) = self.active.take_if(|a| a.region.live.is_empty()) {
+        if let Some(active) = self.active.take_if(|a| a.region.is_idle()) {
             self.retire(active.region);
         }
     }
@@ -421,9 +415,7 @@ impl<R> Steps<R> {
 
     /// Whether `ptr` is a live planned allocation.
     pub(crate) fn is_planned(&self, ptr: u64) -> bool {
-        self.active
-            .as_ref()
-            .is_some_and(|a| a.region.live.contains_key(&ptr))
+        self.active.as_ref().is_some_and(|a| a.region.holds(ptr))
     }
 
     /// An allocation at `ptr` is freed, with the tag it was given if it
@@ -451,7 +443,7 @@ impl<R> Steps<R> {
         else {
             return Freed::Heap;
         };
-        let Some(live) = region.live.remove(&ptr) else {
+        let Some(live) = region.remove(ptr) else {
             return Freed::Heap;
         };
         self.record_free(live);
@@ -486,6 +478,9 @@ impl<R> Steps<R> {
             self.short_lived = 0;
         }
         self.counters.steps += 1;
+        if let Some(active) = &mut self.active {
+            active.region.step_ended();
+        }
         let finished = std::mem::take(&mut self.current);
         if finished.sizes.is_empty() {
             // The stream went quiet: the next step's first allocation
@@ -614,12 +609,7 @@ impl<R> Steps<R> {
         let replaced = self.active.replace(Active {
             slots,
             events,
-            region: Region {
-                base,
-                len,
-                live: BTreeMap::new(),
-                memory,
-            },
+            region: Region::new(base, len, memory),
             since: self.counters.steps,
             grown_past: 0,
         });
