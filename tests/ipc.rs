@@ -24,6 +24,7 @@ use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{Backend, DeviceId};
 use vmpool::{Allocation, Context, Error, HandleType, Pool, PoolAttribute, PoolProps};
 
+#[allow(dead_code)]
 mod common;
 
 const DEV: DeviceId = DeviceId(0);

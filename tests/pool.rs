@@ -12,6 +12,7 @@ use vmpool::{
     SMALL_LIMIT,
 };
 
+#[allow(dead_code)]
 mod common;
 
 const DEV: DeviceId = DeviceId(0);

@@ -12,22 +12,16 @@ use std::sync::{Arc, Mutex};
 
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, Pool, PoolAttribute, PoolProps, Stream};
+use vmpool::{Allocation, Context, Pool, PoolAttribute, Stream};
 
 #[allow(dead_code)]
 mod common;
 
+use common::pool;
+
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-
-fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
-    ctx.create_pool(&PoolProps {
-        va_size: Some(4 << 30),
-        ..PoolProps::new(DEV)
-    })
-    .unwrap()
-}
 
 /// The live allocations of a test's threads, by address: an allocation
 /// that overlaps a live one fails the test.

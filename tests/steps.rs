@@ -16,17 +16,11 @@ use vmpool::{
 #[allow(dead_code)]
 mod common;
 
+use common::pool;
+
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-
-fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
-    ctx.create_pool(&PoolProps {
-        va_size: Some(4 << 30),
-        ..PoolProps::new(DEV)
-    })
-    .unwrap()
-}
 
 /// A context, a pool ([`pool`]) and a stream: each test's start.
 fn start<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>) {

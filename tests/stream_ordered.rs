@@ -12,6 +12,7 @@ use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
 use vmpool::{Allocation, Context, Error, PoolAttribute, PoolProps, Stream, DEFAULT_CHUNK_SIZE};
 
+#[allow(dead_code)]
 mod common;
 
 const DEV: DeviceId = DeviceId(0);

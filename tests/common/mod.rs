@@ -4,6 +4,9 @@
 use std::sync::Arc;
 
 use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::DeviceId;
+use vmpool::{Context, Pool, PoolProps};
 
 /// A fresh host backend: two devices of 1 GiB, 2 MiB granules.
 pub fn host() -> Arc<Host> {
@@ -12,6 +15,16 @@ pub fn host() -> Arc<Host> {
         first_device: 0,
         memory_per_device: 1 << 30,
         granularity: 2 << 20,
+    })
+    .unwrap()
+}
+
+/// A pool of device 0 reserving 4 GiB of address space, at the other
+/// defaults: the step suites' pool.
+pub fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
+    ctx.create_pool(&PoolProps {
+        va_size: Some(4 << 30),
+        ..PoolProps::new(DeviceId(0))
     })
     .unwrap()
 }
