@@ -382,12 +382,9 @@ impl<B: Backend> Pool<B> {
                 // and may be planned there: where another thread's
                 // allocations took the new step's first ordinals, its own
                 // has a slot. The tag taken before the mark would send its
-                // free to the heap, its slot never freed. (One from the heap
-                // keeps that tag, as it always has: its free is then no
-                // event of the new step, whose first ordinal gets no slot.
-                // Given a slot, it leaves the steps wholly planned, and the
-                // pool missed the next emptying: tests/steps.rs's pool
-                // emptied each step lost its layout at the sixth.)
+                // free to the heap, its slot never freed. One from the heap
+                // may take it: an earlier step's tag records no event of
+                // this one, as that function wants.
                 if allocation.block == BlockId::PLANNED {
                     return Ok(allocation);
                 }

@@ -341,7 +341,6 @@ impl<R> Steps<R> {
         self.converted.insert(at, Converted { memory, live });
     }
 
-    /// Whether a stream is the layout's (none since a quiet step).
     /// Whether no layout is under way: none serves, waits for its region
     /// or is being planned, and nothing of one is left to free.
     pub(crate) fn lays_out_nothing(&self) -> bool {
@@ -370,6 +369,7 @@ impl<R> Steps<R> {
         self.repeated = 0;
     }
 
+    /// Whether a stream is the layout's (none since a quiet step).
     pub(crate) fn has_stream(&self) -> bool {
         self.stream.is_some()
     }
