@@ -1,0 +1,189 @@
+//! The allocators a trace replays on: a vmpool pool, CUDA's
+//! stream-ordered pool, and plain cuMemAlloc.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use vmpool::trace::Trace;
+use vmpool::vmm::{self, Backend, DeviceId};
+use vmpool::{Context, PoolAttribute, PoolProps};
+
+use crate::replay::{replay, Replayed, Report, Schedule};
+
+/// A vmpool pool, synchronous or stream-ordered on one stream.
+struct VmpoolReplay<B: Backend> {
+    pool: vmpool::Pool<B>,
+    /// `Some`: stream-ordered on this stream.
+    stream: Option<vmpool::Stream<B>>,
+}
+
+impl<B: Backend> Replayed for VmpoolReplay<B> {
+    type Allocation = vmpool::Allocation;
+    fn alloc(&mut self, size: u64) -> Result<vmpool::Allocation> {
+        Ok(match &self.stream {
+            Some(s) => self.pool.allocate_async(size, s)?,
+            None => self.pool.allocate(size)?,
+        })
+    }
+    fn free(&mut self, a: vmpool::Allocation) -> Result<()> {
+        match &self.stream {
+            Some(s) => self.pool.free_async(a, s)?,
+            None => self.pool.free(a)?,
+        }
+        Ok(())
+    }
+    fn check(&mut self) -> Result<()> {
+        self.pool.audit().map_err(anyhow::Error::msg)
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.pool.attribute(PoolAttribute::ReservedMemHigh))
+    }
+    fn maps(&mut self) -> u64 {
+        self.pool.stats().maps
+    }
+    fn mark_step(&mut self) -> Result<()> {
+        Ok(self.pool.mark_step()?)
+    }
+    fn between_passes(&mut self) {
+        self.pool.await_step_plan();
+    }
+}
+
+/// Replays on a vmpool pool of the given backend.
+pub(crate) fn replay_vmpool<B: Backend>(
+    backend: Arc<B>,
+    trace: &Trace,
+    props: &PoolProps,
+    stream_ordered: bool,
+    schedule: &Schedule,
+) -> Result<Report> {
+    let ctx = Context::new(backend)?;
+    let pool = ctx.create_pool(props)?;
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
+    let stream = ctx.create_stream(DeviceId(0))?;
+    let mut replayed = VmpoolReplay {
+        pool,
+        stream: stream_ordered.then(|| stream.clone()),
+    };
+    let measured = replay(&mut replayed, trace, schedule)?;
+    let pool = replayed.pool;
+    let stats = pool.stats();
+    ctx.synchronize_stream(&stream)?;
+    Ok(Report {
+        peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
+        step_maps: measured.step_maps,
+        ops: (trace.ops.len() * schedule.passes) as u64,
+        nanos: measured.nanos,
+        remaps: stats.remaps,
+        bytes_remapped: stats.bytes_remapped,
+        chunks_created: stats.chunks_created,
+        chunks_released: stats.chunks_released,
+        grows: stats.grows,
+        grow_nanos: stats.grow_nanos,
+        maps: stats.maps,
+        unmaps: stats.unmaps,
+        steps: pool.step_counters(),
+    })
+}
+
+/// CUDA's stream-ordered pool on one stream.
+struct CudaAsyncReplay {
+    pool: vmm::cuda::peers::CudaAsyncPool,
+    stream: vmm::cuda::CudaStream,
+}
+
+impl Replayed for CudaAsyncReplay {
+    type Allocation = vmm::cuda::peers::PeerAllocation;
+    fn alloc(&mut self, size: u64) -> Result<Self::Allocation> {
+        Ok(self.pool.alloc(size as usize, &self.stream)?)
+    }
+    fn free(&mut self, a: Self::Allocation) -> Result<()> {
+        Ok(self.pool.free(a, &self.stream)?)
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.pool.reserved_high()?)
+    }
+}
+
+/// Replays on CUDA's stream-ordered pool, release threshold max, one stream.
+pub(crate) fn replay_cuda_async(
+    cuda: &Arc<vmm::cuda::Cuda>,
+    trace: &Trace,
+    schedule: &Schedule,
+) -> Result<Report> {
+    let mut replayed = CudaAsyncReplay {
+        pool: vmm::cuda::peers::CudaAsyncPool::new(cuda, DeviceId(0))?,
+        stream: cuda.create_stream(DeviceId(0))?,
+    };
+    let measured = replay(&mut replayed, trace, schedule)?;
+    cuda.synchronize_stream(&replayed.stream)?;
+    Ok(Report {
+        peak_reserved: replayed.pool.reserved_high()?,
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
+        ops: (trace.ops.len() * schedule.passes) as u64,
+        nanos: measured.nanos,
+        ..Report::default()
+    })
+}
+
+/// Plain cuMemAlloc / cuMemFree; its footprint is the device's used
+/// memory, sampled after each allocation, over what it was before.
+struct CudaMallocReplay {
+    malloc: vmm::cuda::peers::CudaMalloc,
+    cuda: Arc<vmm::cuda::Cuda>,
+    baseline: u64,
+    peak: u64,
+}
+
+impl CudaMallocReplay {
+    fn used(&self) -> Result<u64> {
+        let m = self.cuda.mem_info(DeviceId(0))?;
+        Ok((m.total - m.free) as u64)
+    }
+}
+
+impl Replayed for CudaMallocReplay {
+    type Allocation = vmm::cuda::peers::PeerAllocation;
+    const SAMPLES: bool = true;
+    fn alloc(&mut self, size: u64) -> Result<Self::Allocation> {
+        Ok(self.malloc.alloc(size as usize)?)
+    }
+    fn free(&mut self, a: Self::Allocation) -> Result<()> {
+        Ok(self.malloc.free(a)?)
+    }
+    fn sample(&mut self) -> Result<()> {
+        self.peak = self.peak.max(self.used()?);
+        Ok(())
+    }
+    fn reserved_high(&mut self) -> Result<u64> {
+        Ok(self.peak - self.baseline)
+    }
+}
+
+/// Replays on plain cuMemAlloc / cuMemFree.
+pub(crate) fn replay_cuda_malloc(
+    cuda: &Arc<vmm::cuda::Cuda>,
+    trace: &Trace,
+    schedule: &Schedule,
+) -> Result<Report> {
+    let mut replayed = CudaMallocReplay {
+        malloc: vmm::cuda::peers::CudaMalloc::new(cuda, DeviceId(0))?,
+        cuda: Arc::clone(cuda),
+        baseline: 0,
+        peak: 0,
+    };
+    replayed.baseline = replayed.used()?;
+    replayed.peak = replayed.baseline;
+    let measured = replay(&mut replayed, trace, schedule)?;
+    Ok(Report {
+        peak_reserved: replayed.reserved_high()?,
+        pass_peaks: measured.peaks,
+        pass_maps: measured.maps,
+        ops: (trace.ops.len() * schedule.passes) as u64,
+        nanos: measured.nanos,
+        ..Report::default()
+    })
+}
