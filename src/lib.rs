@@ -46,6 +46,6 @@ pub use props::{
     HandleType, PoolProps, DEFAULT_CHUNK_DIVISOR, DEFAULT_CHUNK_SIZE, DEFAULT_GRANULE_GROWTH_BELOW,
     SMALL_LIMIT,
 };
-pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, UnitView};
+pub use stats::{PoolAttribute, PoolSnapshot, PoolStats, Slack, UnitView};
 pub use steps::StepCounters;
 pub use vmm;

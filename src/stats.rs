@@ -85,7 +85,8 @@ pub struct PoolStats {
     pub events_recorded: u64,
     /// Physical bytes held now (mapped and spare chunks).
     pub reserved_bytes: u64,
-    /// Bytes of live allocations now, as asked for.
+    /// Bytes of live allocations now, each rounded up to 256 bytes as
+    /// the pool places it.
     pub used_bytes: u64,
     /// Bytes of the units mapped in the pool's range now (parked spare
     /// chunks, mapped but out of use, count in `spare_bytes`).
@@ -156,6 +157,76 @@ impl PoolSnapshot {
             .filter(|(s, e)| e > s)
             .map(|(s, e)| e - s)
             .sum()
+    }
+}
+
+/// Where a pool's reserved bytes that hold no live allocation lie, as a
+/// snapshot shows them ([`PoolSnapshot::slack`]): what a footprint over
+/// 1.0 is made of.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Slack {
+    /// Physical bytes held ([`PoolStats::reserved_bytes`]).
+    pub reserved: u64,
+    /// Bytes of live allocations ([`PoolStats::used_bytes`]).
+    pub used: u64,
+    /// Free bytes in units with nothing else in them: growth may move
+    /// these where they are needed (Note [Growth and remapping] in
+    /// docs/DESIGN.md).
+    pub free_whole_units: u64,
+    /// Free bytes in units that hold something else too (live bytes, or
+    /// a step region): no remap reaches them until the unit empties.
+    pub free_in_shared_units: u64,
+    /// How many units those are.
+    pub shared_units: u64,
+    /// Spare chunks ([`PoolStats::spare_bytes`]).
+    pub spare: u64,
+    /// Freed in stream order and not yet passed by the stream
+    /// ([`PoolStats::pending_bytes`]).
+    pub pending: u64,
+    /// The rest: the idle slots of step regions, and the bytes by which
+    /// the pool rounds allocations up.
+    pub other: u64,
+}
+
+impl PoolSnapshot {
+    /// The pool's reserved bytes apart from its live ones, by where they
+    /// lie.
+    pub fn slack(&self) -> Slack {
+        let mut slack = Slack {
+            reserved: self.stats.reserved_bytes,
+            used: self.stats.used_bytes,
+            spare: self.stats.spare_bytes,
+            pending: self.stats.pending_bytes,
+            ..Slack::default()
+        };
+        // Units and free ranges are both in address order: one sweep.
+        let mut first = 0;
+        for u in &self.units {
+            let end = u.va + u.size;
+            while self.free.get(first).is_some_and(|&(s, l)| s + l <= u.va) {
+                first += 1;
+            }
+            let free: u64 = self.free[first..]
+                .iter()
+                .take_while(|&&(s, _)| s < end)
+                .map(|&(s, l)| (s + l).min(end) - s.max(u.va))
+                .sum();
+            if free == u.size {
+                slack.free_whole_units += free;
+            } else if free > 0 {
+                slack.free_in_shared_units += free;
+                slack.shared_units += 1;
+            }
+        }
+        slack.other = slack.reserved.saturating_sub(
+            slack.used
+                + slack.free_whole_units
+                + slack.free_in_shared_units
+                + slack.spare
+                + slack.pending,
+        );
+        slack
     }
 }
 

@@ -724,7 +724,52 @@ pub fn whole_regions_split_no_region<B: TestBackend>(b: &Arc<B>) {
     }
 }
 
+/// `PoolSnapshot::slack`: a part-used unit's free bytes are shared ones,
+/// an empty unit's whole, and the parts add up to the reserved bytes.
+pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let g = b.granularity(DEV).unwrap() as u64;
+    let pool = granule_unit_pool(&ctx, g, FreshStart::Never);
+    let adds_up = |s: vmpool::Slack| {
+        assert_eq!(
+            s.reserved,
+            s.used + s.free_whole_units + s.free_in_shared_units + s.spare + s.pending + s.other,
+            "{s:?}"
+        );
+    };
+    // One and a half granules: two units, the second half free.
+    let a = pool.allocate(g + g / 2).unwrap();
+    let s = pool.snapshot().slack();
+    adds_up(s);
+    assert_eq!(s.reserved, 2 * g, "{s:?}");
+    assert_eq!(s.used, g + g / 2);
+    assert_eq!(
+        (s.free_in_shared_units, s.shared_units),
+        (g / 2, 1),
+        "{s:?}"
+    );
+    assert_eq!((s.free_whole_units, s.other), (0, 0), "{s:?}");
+    // A granule more, then freed: its unit, or the units it spanned, free.
+    let b2 = pool.allocate(2 * g).unwrap();
+    pool.free(b2).unwrap();
+    let s = pool.snapshot().slack();
+    adds_up(s);
+    assert_eq!(s.used, g + g / 2);
+    assert!(s.free_whole_units >= g, "{s:?}");
+    assert_eq!(s.other, 0, "{s:?}");
+    pool.free(a).unwrap();
+    let s = pool.snapshot().slack();
+    adds_up(s);
+    assert_eq!(
+        (s.used, s.free_in_shared_units, s.shared_units),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.free_whole_units + s.spare, s.reserved, "{s:?}");
+}
+
 suites!(
+    slack_says_where_the_reserved_bytes_lie,
     whole_regions_split_no_region,
     sizes_and_alignment,
     more_than_half_the_device,

@@ -264,3 +264,52 @@ fn a_truncated_trace_says_why_once() {
     assert!(line.contains("reading the trace"), "{stderr}");
     assert_eq!(stderr.matches("reading the trace").count(), 1, "{stderr}");
 }
+
+/// `--slack`: at the peak of GPT-2's generation trace, every byte not live
+/// lies in units that also hold live bytes, and the parts add up to the
+/// peak reserved; without it, no such report; and only vmpool has one.
+#[test]
+fn slack_at_the_peak_adds_up() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../traces/gpt2_generate.trace.gz"
+    );
+    let report = replay_json(&["--backend", "host", "--json", "--slack", trace]);
+    let slack = &report["slack_at_peak"];
+    let bytes = |key: &str| slack[key].as_u64().unwrap();
+    assert_eq!(bytes("reserved_bytes"), report["peak_reserved_bytes"]);
+    let parts = [
+        "used_bytes",
+        "free_whole_units_bytes",
+        "free_in_shared_units_bytes",
+        "spare_bytes",
+        "pending_bytes",
+        "other_bytes",
+    ];
+    assert_eq!(
+        parts.iter().map(|k| bytes(k)).sum::<u64>(),
+        bytes("reserved_bytes"),
+        "{slack}"
+    );
+    // The peak live bytes, as the pool rounds each allocation up.
+    let live = report["peak_live_bytes"].as_u64().unwrap();
+    assert!(
+        (live..live + (1 << 20)).contains(&bytes("used_bytes")),
+        "{slack}"
+    );
+    assert!(bytes("free_in_shared_units_bytes") > 0, "{slack}");
+    assert!(bytes("shared_units") > 0, "{slack}");
+    let plain = replay_json(&["--backend", "host", "--json", trace]);
+    assert!(plain["slack_at_peak"].is_null());
+    assert_eq!(plain["ratio"], report["ratio"], "sampling moves nothing");
+    let refused = replay(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "cuda-async",
+        "--slack",
+        trace,
+    ]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--slack is for vmpool"));
+}

@@ -3,7 +3,7 @@
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
 //!                   [--defragment off|units|whole-regions] [--fresh-start when-emptied|never]
-//!                   [--passes N] [--mark-passes] [--hold BYTES] [--json] TRACE
+//!                   [--passes N] [--mark-passes] [--hold BYTES] [--slack] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -43,7 +43,7 @@ use vmpool::{FreshStart, PoolProps};
 
 use vmpool_tools::{BackendKind, Bytes, DefragmentArg};
 
-use pools::{replay_cuda_async, replay_cuda_malloc, replay_vmpool};
+use pools::{replay_cuda_async, replay_cuda_malloc, replay_vmpool, VmpoolRun};
 use replay::{Marks, Schedule};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -135,6 +135,14 @@ struct Args {
     /// 2MiB, 1G. It counts in the peak live bytes.
     #[arg(long, value_name = "BYTES")]
     hold: Option<Bytes>,
+    /// vmpool only: report where the reserved bytes that no live
+    /// allocation holds lay when the pool's reserved bytes first reached
+    /// their peak (`PoolSnapshot::slack`): in free units growth may move,
+    /// in free bytes of units that hold other bytes too, in spares,
+    /// pending frees, or otherwise (step regions' idle slots). A snapshot
+    /// at each new high, outside the timed calls.
+    #[arg(long)]
+    slack: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -169,6 +177,9 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.mark_passes && args.allocator != AllocatorKind::Vmpool {
         bail!("--mark-passes is for vmpool");
     }
+    if args.slack && args.allocator != AllocatorKind::Vmpool {
+        bail!("--slack is for vmpool");
+    }
     if args.fresh_start != FreshStart::WhenEmptied && args.allocator != AllocatorKind::Vmpool {
         bail!("--fresh-start is for vmpool");
     }
@@ -193,6 +204,11 @@ fn replay_main(args: &Args) -> Result<()> {
         fresh_start: args.fresh_start,
         ..PoolProps::new(DeviceId(0))
     };
+    let run = VmpoolRun {
+        props: &props,
+        stream_ordered: args.stream_ordered,
+        slack: args.slack,
+    };
     if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
         bail!("the CUDA allocators need a GPU: --backend cuda or auto");
     }
@@ -207,17 +223,9 @@ fn replay_main(args: &Args) -> Result<()> {
                     .max(1 << 30),
                 ..vmm::host::HostConfig::default()
             };
-            replay_vmpool(
-                vmm::host::Host::new(config)?,
-                &trace,
-                &props,
-                args.stream_ordered,
-                &schedule,
-            )?
+            replay_vmpool(vmm::host::Host::new(config)?, &trace, &run, &schedule)?
         }
-        (Some(cuda), AllocatorKind::Vmpool) => {
-            replay_vmpool(cuda, &trace, &props, args.stream_ordered, &schedule)?
-        }
+        (Some(cuda), AllocatorKind::Vmpool) => replay_vmpool(cuda, &trace, &run, &schedule)?,
         (Some(cuda), AllocatorKind::CudaAsync) => replay_cuda_async(&cuda, &trace, &schedule)?,
         (Some(cuda), AllocatorKind::CudaMalloc) => replay_cuda_malloc(&cuda, &trace, &schedule)?,
         (None, _) => bail!("the CUDA allocators need a GPU, and none could be opened"),
@@ -277,6 +285,16 @@ fn replay_main(args: &Args) -> Result<()> {
                 "missed": report.steps.missed,
                 "step_region_bytes": report.steps.region_bytes,
                 "est_driver_us": report.est_driver_us(),
+                "slack_at_peak": report.slack_at_peak.map(|s| serde_json::json!({
+                    "reserved_bytes": s.reserved,
+                    "used_bytes": s.used,
+                    "free_whole_units_bytes": s.free_whole_units,
+                    "free_in_shared_units_bytes": s.free_in_shared_units,
+                    "shared_units": s.shared_units,
+                    "spare_bytes": s.spare,
+                    "pending_bytes": s.pending,
+                    "other_bytes": s.other,
+                })),
             })
         );
     } else {
@@ -328,6 +346,20 @@ fn replay_main(args: &Args) -> Result<()> {
             "growing         {:>14.1} ns per op of the above",
             report.grow_nanos as f64 / report.ops as f64
         );
+        if let Some(s) = report.slack_at_peak {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            println!(
+                "slack at peak   {:>14.1} MiB reserved, {:.1} live; free {:.1} in whole units, {:.1} in {} units shared with other bytes; spare {:.1}, pending {:.1}, otherwise {:.1}",
+                mib(s.reserved),
+                mib(s.used),
+                mib(s.free_whole_units),
+                mib(s.free_in_shared_units),
+                s.shared_units,
+                mib(s.spare),
+                mib(s.pending),
+                mib(s.other)
+            );
+        }
     }
     Ok(())
 }

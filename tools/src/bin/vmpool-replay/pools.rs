@@ -10,11 +10,30 @@ use vmpool::{Context, PoolAttribute, PoolProps};
 
 use crate::replay::{replay, Replayed, Report, Schedule};
 
+/// How a trace replays on a vmpool pool.
+pub(crate) struct VmpoolRun<'a> {
+    pub(crate) props: &'a PoolProps,
+    /// Through `allocate_async` / `free_async` on one stream, not
+    /// `allocate` / `free`.
+    pub(crate) stream_ordered: bool,
+    /// Read where the slack lies each time the reserved bytes reach a new
+    /// high (`--slack`): a snapshot, outside the timed calls.
+    pub(crate) slack: bool,
+}
+
+/// The slack at the highest reserved bytes seen so far.
+struct SlackAtPeak {
+    reserved: u64,
+    slack: Option<vmpool::Slack>,
+}
+
 /// A vmpool pool, synchronous or stream-ordered on one stream.
 struct VmpoolReplay<B: Backend> {
     pool: vmpool::Pool<B>,
     /// `Some`: stream-ordered on this stream.
     stream: Option<vmpool::Stream<B>>,
+    /// `Some` with `--slack`.
+    slack: Option<SlackAtPeak>,
 }
 
 impl<B: Backend> Replayed for VmpoolReplay<B> {
@@ -29,6 +48,19 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
         match &self.stream {
             Some(s) => self.pool.free_async(a, s)?,
             None => self.pool.free(a)?,
+        }
+        Ok(())
+    }
+    fn samples(&self) -> bool {
+        self.slack.is_some()
+    }
+    fn sample(&mut self) -> Result<()> {
+        if let Some(peak) = &mut self.slack {
+            let reserved = self.pool.attribute(PoolAttribute::ReservedMemCurrent);
+            if reserved > peak.reserved {
+                peak.reserved = reserved;
+                peak.slack = Some(self.pool.snapshot().slack());
+            }
         }
         Ok(())
     }
@@ -53,20 +85,23 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
 pub(crate) fn replay_vmpool<B: Backend>(
     backend: Arc<B>,
     trace: &Trace,
-    props: &PoolProps,
-    stream_ordered: bool,
+    run: &VmpoolRun,
     schedule: &Schedule,
 ) -> Result<Report> {
     let ctx = Context::new(backend)?;
-    let pool = ctx.create_pool(props)?;
+    let pool = ctx.create_pool(run.props)?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
     let stream = ctx.create_stream(DeviceId(0))?;
     let mut replayed = VmpoolReplay {
         pool,
-        stream: stream_ordered.then(|| stream.clone()),
+        stream: run.stream_ordered.then(|| stream.clone()),
+        slack: run.slack.then_some(SlackAtPeak {
+            reserved: 0,
+            slack: None,
+        }),
     };
     let measured = replay(&mut replayed, trace, schedule)?;
-    let pool = replayed.pool;
+    let pool = &replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
     Ok(Report {
@@ -85,6 +120,7 @@ pub(crate) fn replay_vmpool<B: Backend>(
         maps: stats.maps,
         unmaps: stats.unmaps,
         steps: pool.step_counters(),
+        slack_at_peak: replayed.slack.and_then(|peak| peak.slack),
     })
 }
 
@@ -147,7 +183,9 @@ impl CudaMallocReplay {
 
 impl Replayed for CudaMallocReplay {
     type Allocation = vmm::cuda::peers::PeerAllocation;
-    const SAMPLES: bool = true;
+    fn samples(&self) -> bool {
+        true
+    }
     fn alloc(&mut self, size: u64) -> Result<Self::Allocation> {
         Ok(self.malloc.alloc(size as usize)?)
     }

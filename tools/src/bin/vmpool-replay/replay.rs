@@ -28,6 +28,9 @@ pub(crate) struct Report {
     pub(crate) unmaps: u64,
     /// vmpool's step layouts (`--mark-passes`, or the trace's marks).
     pub(crate) steps: vmpool::StepCounters,
+    /// vmpool with `--slack`: where the reserved bytes not live lay when
+    /// the pool's reserved bytes first reached their peak.
+    pub(crate) slack_at_peak: Option<vmpool::Slack>,
 }
 
 impl Report {
@@ -60,10 +63,12 @@ pub(crate) fn progress(ops: usize) -> ProgressBar {
 /// An allocator as the replay drives it.
 pub(crate) trait Replayed {
     type Allocation;
-    /// Whether [`Replayed::sample`] runs after every allocation.
-    const SAMPLES: bool = false;
     fn alloc(&mut self, size: u64) -> Result<Self::Allocation>;
     fn free(&mut self, a: Self::Allocation) -> Result<()>;
+    /// Whether [`Replayed::sample`] runs after every allocation.
+    fn samples(&self) -> bool {
+        false
+    }
     /// Reads what the allocator holds, outside the timed calls.
     fn sample(&mut self) -> Result<()> {
         Ok(())
@@ -156,7 +161,7 @@ pub(crate) fn replay<A: Replayed>(a: &mut A, trace: &Trace, schedule: &Schedule)
             match *op {
                 TraceOp::Alloc { slot, size, .. } => {
                     live[slot] = Some(a.alloc(size)?);
-                    if A::SAMPLES {
+                    if a.samples() {
                         let sampled = Instant::now();
                         a.sample()?;
                         sampling += sampled.elapsed();
