@@ -184,8 +184,7 @@ pub struct Slack {
     /// Freed in stream order and not yet passed by the stream
     /// ([`PoolStats::pending_bytes`]).
     pub pending: u64,
-    /// The rest: the idle slots of step regions, and the bytes by which
-    /// the pool rounds allocations up.
+    /// The rest: the idle slots of step regions.
     pub other: u64,
 }
 

@@ -766,6 +766,17 @@ pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
         "{s:?}"
     );
     assert_eq!(s.free_whole_units + s.spare, s.reserved, "{s:?}");
+    // After a fresh start, the units parked where they were are spares,
+    // counted once.
+    let pool = granule_unit_pool(&ctx, g, FreshStart::WhenEmptied);
+    let (_, y) = move_units_around(&pool, g);
+    pool.free(y).unwrap();
+    let fresh = pool.allocate(g).unwrap();
+    let s = pool.snapshot().slack();
+    adds_up(s);
+    assert_eq!((s.used, s.spare), (g, s.reserved - g), "{s:?}");
+    assert_eq!((s.free_whole_units, s.other), (0, 0), "{s:?}");
+    pool.free(fresh).unwrap();
 }
 
 suites!(
