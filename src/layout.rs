@@ -17,6 +17,8 @@
 //! ```
 
 use std::cmp::Reverse;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 
 /// One allocation of a recorded step: `size` bytes, live from event
 /// `start` until event `end` (exclusive). Events are the step's
@@ -57,15 +59,32 @@ const BUCKET: u32 = 128;
 /// of many that live apart (a generation loop's caches) finds them.
 const LONG_SHARE: u32 = 16;
 
-/// The most placed allocations all the orders of one [`lay_out`] may
-/// visit, about six seconds' work on the CI machine: placement is
-/// quadratic in the allocations that meet one another, and the step of a
-/// large model, or many steps marked as one, would hold up the allocation
-/// that carries the mark for minutes. Past it the layout is given up, and
-/// the steps run as unmarked ones do. The recorded traces, each laid out
-/// whole as one step, visit 68 M (ResNet-50) to 1,237 M (MoE); a step of
-/// one of them, about a million.
+/// The most placed allocations one order of a [`lay_out`] may visit,
+/// about six seconds' work on the CI machine: placement is quadratic in
+/// the allocations that meet one another, and the step of a large model,
+/// or many steps marked as one, would hold up the allocation that carries
+/// the mark for minutes. An order past it gives up; past it in every
+/// order, the layout is given up, and the steps run as unmarked ones do.
+/// The recorded traces, each laid out whole as one step, visit 68 M
+/// (ResNet-50) to 1,237 M (MoE) in all their orders; a step of one of
+/// them, about a million.
 const MOST_VISITS: u64 = 1 << 31;
+
+/// How [`lay_out`] runs its three orders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Orders {
+    /// One after another on the calling thread: a step small enough to
+    /// plan where it is marked (Note [Steps at emptying]).
+    InTurn,
+    /// The first alone, which most often reaches the step's peak, then
+    /// the other two at once, each on a thread: a large step, planned
+    /// apart, whose layout the pool waits for. ViT's whole trace takes
+    /// 0.2, 0.4 and 0.4 s in its three orders on the CI machine, and
+    /// needs all three; started at once with the first, the other two
+    /// slowed it where it alone was needed (docs/RESULTS.md, "Two orders
+    /// at once").
+    AtOnce,
+}
 
 /// Lays out `lifetimes` in at most `limit` bytes (`None`: no layout
 /// found fits); every size must be a multiple of `align`, and so is every
@@ -77,48 +96,105 @@ const MOST_VISITS: u64 = 1 << 31;
 /// alive at the step's busiest moments first, which fills the peak before
 /// anything can leave a gap in it; then by size, allocations of one size
 /// the earliest first or the longest-lived first. Breadth goes first: it
-/// places a step fastest and most often reaches the peak. Each order gives up as soon
-/// as it passes the limit or the smallest layout so far: placement is
-/// quadratic in the worst case, and a layout refused for its size (steps
-/// whose shapes vary apart) then costs a fraction of a whole one; and
-/// once a layout is as small as the step's peak, which none is below, no
-/// other order is tried (most recorded steps reach it in the first, and
-/// planning a whole trace as one step takes half the time). All three
-/// share [`MOST_VISITS`]: an order that runs out of it gives up, and the
-/// smallest layout before it stands.
-pub(crate) fn lay_out(lifetimes: &[Lifetime], align: u64, limit: u64) -> Option<Layout> {
-    lay_out_within(lifetimes, align, limit, MOST_VISITS)
+/// places a step fastest and most often reaches the peak.
+///
+/// An order gives up as soon as its layout passes the limit or one that
+/// another order has finished: placement is quadratic in the worst case,
+/// and a layout refused for its size (steps whose shapes vary apart) then
+/// costs a fraction of a whole one. Once an order's layout is as small as
+/// the step's peak, which none is below, the orders after it give up (most
+/// recorded steps reach it in the first, and planning a whole trace as one
+/// step takes half the time). Of layouts of one length, the earliest
+/// order's is kept, so that the layout is the same whichever order
+/// finishes first.
+pub(crate) fn lay_out(
+    lifetimes: &[Lifetime],
+    align: u64,
+    limit: u64,
+    orders: Orders,
+) -> Option<Layout> {
+    lay_out_within(lifetimes, align, limit, MOST_VISITS, orders)
 }
 
-/// [`lay_out`], with at most `visits` placed allocations visited.
+/// What the orders of one [`lay_out`] tell one another.
+struct Race {
+    /// The limit, or the shortest layout an order has finished.
+    bound: AtomicU64,
+    /// The first order whose layout reached the step's peak
+    /// (`usize::MAX`: none yet); the orders after it give up.
+    at_floor: AtomicUsize,
+}
+
+impl Race {
+    /// Whether order `k` may go on with a layout of `len` bytes so far.
+    fn open(&self, k: usize, len: u64) -> bool {
+        len <= self.bound.load(Relaxed) && self.at_floor.load(Relaxed) > k
+    }
+}
+
+/// [`lay_out`], with at most `visits` placed allocations visited in each
+/// order.
 fn lay_out_within(
     lifetimes: &[Lifetime],
     align: u64,
     limit: u64,
-    mut visits: u64,
+    visits: u64,
+    orders: Orders,
 ) -> Option<Layout> {
     let live = live_per_event(lifetimes);
-    // No layout is below the peak: once one reaches it, no other order
-    // can be smaller, and none is tried.
     let floor = live.iter().copied().max().unwrap_or(0);
-    let open = |best: &Option<Layout>| best.as_ref().is_none_or(|b| b.len > floor);
+    let race = Race {
+        bound: AtomicU64::new(limit),
+        at_floor: AtomicUsize::new(usize::MAX),
+    };
     let l = |i: usize| &lifetimes[i];
-    let left = &mut visits;
     let breadth = breadths(lifetimes, &live);
-    let mut best = smaller(None, lifetimes, align, limit, left, |i| {
-        (Reverse(breadth[i]), Reverse(l(i).size), l(i).start)
-    });
-    if open(&best) {
-        best = smaller(best, lifetimes, align, limit, left, |i| {
-            (Reverse(l(i).size), l(i).start)
-        });
-    }
-    if open(&best) {
-        best = smaller(best, lifetimes, align, limit, left, |i| {
-            (Reverse(l(i).size), Reverse(l(i).end - l(i).start))
-        });
-    }
-    if best.is_none() && *left == 0 {
+    // Order `k` in the order of `key`: its layout, or why it has none.
+    let run = |k: usize, key: &dyn Fn(usize) -> (Reverse<u64>, Reverse<u64>, u32)| {
+        if race.at_floor.load(Relaxed) < k {
+            return (None, false);
+        }
+        let mut left = visits;
+        let layout = lay_out_by(lifetimes, align, &race, k, &mut left, key);
+        if let Some(layout) = &layout {
+            race.bound.fetch_min(layout.len, Relaxed);
+            if layout.len <= floor {
+                race.at_floor.fetch_min(k, Relaxed);
+            }
+        }
+        (layout, left == 0)
+    };
+    let by_breadth = |i: usize| (Reverse(breadth[i]), Reverse(l(i).size), l(i).start);
+    let by_size = |i: usize| (Reverse(l(i).size), Reverse(0), l(i).start);
+    let by_size_longest = |i: usize| {
+        (
+            Reverse(l(i).size),
+            Reverse(u64::from(l(i).end - l(i).start)),
+            0,
+        )
+    };
+    let results = match orders {
+        Orders::InTurn => [
+            run(0, &by_breadth),
+            run(1, &by_size),
+            run(2, &by_size_longest),
+        ],
+        Orders::AtOnce => {
+            let first = run(0, &by_breadth);
+            std::thread::scope(|s| {
+                let second = s.spawn(|| run(1, &by_size));
+                let third = run(2, &by_size_longest);
+                [first, join(second), third]
+            })
+        }
+    };
+    let out_of_visits = results.iter().any(|(_, spent)| *spent);
+    // The shortest; of equal lengths, the earliest order's.
+    let best = results
+        .into_iter()
+        .filter_map(|(layout, _)| layout)
+        .reduce(|best, next| if next.len < best.len { next } else { best });
+    if best.is_none() && out_of_visits {
         tracing::info!(
             allocations = lifetimes.len(),
             "step layout given up: placing it would take too long"
@@ -127,22 +203,11 @@ fn lay_out_within(
     best
 }
 
-/// The layout in the order of `key` if it is smaller than `best` (and
-/// within `limit`), else `best`; placement stops once it cannot be, or
-/// once it has visited `visits` placed allocations.
-fn smaller<K: Ord>(
-    best: Option<Layout>,
-    lifetimes: &[Lifetime],
-    align: u64,
-    limit: u64,
-    visits: &mut u64,
-    key: impl Fn(usize) -> K,
-) -> Option<Layout> {
-    let bound = best.as_ref().map_or(limit, |b| b.len);
-    match lay_out_by(lifetimes, align, bound, visits, key) {
-        Some(layout) if best.as_ref().is_none_or(|b| layout.len < b.len) => Some(layout),
-        _ => best,
-    }
+/// An order's result, from its thread; a panic there is passed on.
+fn join<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    thread
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// The bytes live at each event of `lifetimes`.
@@ -193,14 +258,15 @@ fn breadths(lifetimes: &[Lifetime], live: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// Lays out greedily in the order of `key` (of an allocation's index);
-/// `None` as soon as the layout passes `bound` bytes, or once it has
-/// visited `visits` placed allocations (`visits` is then 0; else what is
-/// left of it).
+/// Lays out greedily in the order of `key` (of an allocation's index),
+/// as order `k` of `race`; `None` as soon as `race` says so (see
+/// [`Race::open`]), or once it has visited `visits` placed allocations
+/// (`visits` is then 0; else what is left of it).
 fn lay_out_by<K: Ord>(
     lifetimes: &[Lifetime],
     align: u64,
-    bound: u64,
+    race: &Race,
+    k: usize,
     visits: &mut u64,
     key: impl Fn(usize) -> K,
 ) -> Option<Layout> {
@@ -259,7 +325,7 @@ fn lay_out_by<K: Ord>(
         };
         offsets[i] = best_gap(taken, l.size);
         len = len.max(offsets[i] + l.size);
-        if len > bound {
+        if !race.open(k, len) {
             return None;
         }
         let by_offset = |list: &[usize]| list.partition_point(|&j| offsets[j] <= offsets[i]);
@@ -317,7 +383,13 @@ mod tests {
 
     #[test]
     fn allocations_that_never_meet_share_space() {
-        let layout = lay_out(&[life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)], 4, u64::MAX).unwrap();
+        let layout = lay_out(
+            &[life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)],
+            4,
+            u64::MAX,
+            Orders::InTurn,
+        )
+        .unwrap();
         assert_eq!(layout.offsets, vec![0, 8, 8]);
         assert_eq!(layout.len, 12);
     }
@@ -325,8 +397,8 @@ mod tests {
     #[test]
     fn a_limit_refuses_only_what_passes_it() {
         let lifetimes = [life(8, 0, 9), life(4, 1, 4), life(4, 5, 8)];
-        assert_eq!(lay_out(&lifetimes, 4, 11), None);
-        assert_eq!(lay_out(&lifetimes, 4, 12).unwrap().len, 12);
+        assert_eq!(lay_out(&lifetimes, 4, 11, Orders::InTurn), None);
+        assert_eq!(lay_out(&lifetimes, 4, 12, Orders::InTurn).unwrap().len, 12);
     }
 
     /// A step whose allocations all meet one another (a training step's
@@ -339,10 +411,15 @@ mod tests {
             .map(|i| life(256 * u64::from(1 + i % 7), 2 * i, 4 * n - 2 * i))
             .collect();
         let pairs = u64::from(n) * u64::from(n) / 2;
-        let laid_out = lay_out_within(&nested, 256, u64::MAX, 3 * pairs).unwrap();
-        assert_eq!(laid_out.len, nested.iter().map(|l| l.size).sum::<u64>());
-        assert_eq!(lay_out_within(&nested, 256, u64::MAX, pairs / 2), None);
-        assert_eq!(lay_out(&nested, 256, u64::MAX), Some(laid_out));
+        for orders in [Orders::InTurn, Orders::AtOnce] {
+            let laid_out = lay_out_within(&nested, 256, u64::MAX, 3 * pairs, orders).unwrap();
+            assert_eq!(laid_out.len, nested.iter().map(|l| l.size).sum::<u64>());
+            assert_eq!(
+                lay_out_within(&nested, 256, u64::MAX, pairs / 2, orders),
+                None
+            );
+            assert_eq!(lay_out(&nested, 256, u64::MAX, orders), Some(laid_out));
+        }
     }
 
     #[test]
@@ -384,10 +461,14 @@ mod tests {
                 .iter()
                 .map(|&(size, start, span)| life(size * 8, start, start + span))
                 .collect();
-            let layout = lay_out(&lifetimes, 8, u64::MAX).unwrap();
-            // A limit changes nothing but whether it is found.
-            prop_assert_eq!(lay_out(&lifetimes, 8, layout.len), Some(layout.clone()));
-            prop_assert_eq!(lay_out(&lifetimes, 8, layout.len - 1), None);
+            let layout = lay_out(&lifetimes, 8, u64::MAX, Orders::InTurn).unwrap();
+            // A limit changes nothing but whether it is found; the orders
+            // at once give the layout they give in turn.
+            for orders in [Orders::InTurn, Orders::AtOnce] {
+                prop_assert_eq!(lay_out(&lifetimes, 8, layout.len, orders), Some(layout.clone()));
+                prop_assert_eq!(lay_out(&lifetimes, 8, layout.len - 1, orders), None);
+                prop_assert_eq!(lay_out(&lifetimes, 8, u64::MAX, orders), Some(layout.clone()));
+            }
             let mut peak_live = 0;
             for t in 0..1600 {
                 let live: u64 = lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum();

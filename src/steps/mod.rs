@@ -23,7 +23,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::layout::peak;
+use crate::layout::{peak, Orders};
 
 mod planning;
 mod region;
@@ -579,7 +579,7 @@ impl<R> Steps<R> {
     fn plan_for(&mut self, events: &[Event], sizes: &[u64]) -> Option<Plan> {
         let (align, largest_peak) = (self.align, self.largest_peak);
         if sizes.len() <= PLANNED_APART {
-            return plan(events, sizes, align, largest_peak);
+            return plan(events, sizes, align, largest_peak, Orders::InTurn);
         }
         match self.planning.take_if(|p| p.is_ready()) {
             Some(ready) if ready.serves(events, sizes) => {

@@ -5,7 +5,7 @@
 
 use std::thread::JoinHandle;
 
-use crate::layout::{lay_out, peak, Lifetime};
+use crate::layout::{lay_out, peak, Lifetime, Orders};
 
 use super::region::{Event, Slot};
 use super::SLACK_HUNDREDTHS;
@@ -29,7 +29,13 @@ pub(super) struct Plan {
 /// `largest_peak`, the largest peak a step has needed (checked on the
 /// sizes' own peak first, which no layout is below, so that steps of
 /// shapes that vary apart cost no layout).
-pub(super) fn plan(events: &[Event], sizes: &[u64], align: u64, largest_peak: u64) -> Option<Plan> {
+pub(super) fn plan(
+    events: &[Event],
+    sizes: &[u64],
+    align: u64,
+    largest_peak: u64,
+    orders: Orders,
+) -> Option<Plan> {
     let (lifetimes, ordinals) = lifetimes(events, sizes, align);
     if lifetimes.is_empty() {
         // Nothing freed within the step: no slot, and a region of no
@@ -40,7 +46,7 @@ pub(super) fn plan(events: &[Event], sizes: &[u64], align: u64, largest_peak: u6
     if peak(&lifetimes) > limit {
         return None;
     }
-    let layout = lay_out(&lifetimes, align, limit)?;
+    let layout = lay_out(&lifetimes, align, limit, orders)?;
     let mut slots = vec![None; sizes.len()];
     for ((o, offset), l) in ordinals.iter().zip(layout.offsets).zip(&lifetimes) {
         slots[*o as usize] = Some(Slot {
@@ -91,7 +97,15 @@ impl Planning {
         let (planned_events, planned_sizes) = (events.clone(), sizes.clone());
         let thread = std::thread::Builder::new()
             .name("vmpool-plan".into())
-            .spawn(move || plan(&planned_events, &planned_sizes, align, largest_peak));
+            .spawn(move || {
+                plan(
+                    &planned_events,
+                    &planned_sizes,
+                    align,
+                    largest_peak,
+                    Orders::AtOnce,
+                )
+            });
         match thread {
             Ok(thread) => Some(Self {
                 events,
