@@ -13,6 +13,7 @@
 
     scripts/check_shape.py [--base REV]
 """
+
 import argparse
 import os
 import re
@@ -73,22 +74,28 @@ def check_cycles(problems):
             edges.setdefault(module, set()).update(n for n in names if n != module)
         modules = set(edges)
         graph = {m: {n for n in edges[m] if n in modules} for m in modules}
-        # Depth-first search for a loop.
-        state = {}
+        for loop in module_loops(graph):
+            problems.append(f"{crate}: modules import each other: {' -> '.join(loop)}")
 
-        def visit(m, trail):
-            state[m] = "open"
-            for n in sorted(graph[m]):
-                if state.get(n) == "open":
-                    loop = trail[trail.index(n):] + [n]
-                    problems.append(f"{crate}: modules import each other: {' -> '.join(loop)}")
-                elif n not in state:
-                    visit(n, trail + [n])
-            state[m] = "done"
 
-        for m in sorted(modules):
-            if m not in state:
-                visit(m, [m])
+def module_loops(graph):
+    """The loops a depth-first search of `graph` (module -> the modules it
+    imports) meets, each as the modules along it."""
+    state, loops = {}, []
+
+    def visit(m, trail):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                loops.append(trail[trail.index(n) :] + [n])
+            elif n not in state:
+                visit(n, trail + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return loops
 
 
 def check_readme(problems):
@@ -117,9 +124,7 @@ def check_subjects(problems, base):
         # A shallow clone without the base: nothing to compare against.
         print(f"commit subjects not checked: {base} is not in this clone")
         return
-    out = subprocess.run(
-        ["git", "log", "--format=%h %s", f"{base}..HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
+    out = subprocess.run(["git", "log", "--format=%h %s", f"{base}..HEAD"], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         problems.append(f"git log {base}..HEAD failed: {out.stderr.strip()}")
         return

@@ -115,7 +115,8 @@ def child(args):
         if not lib.is_file():
             raise SystemExit(f"floor: no {lib} (build it: see scripts/pluggable_floor.c)")
         torch.cuda.memory.change_current_allocator(
-            torch.cuda.memory.CUDAPluggableAllocator(str(lib), "floor_malloc", "floor_free"))
+            torch.cuda.memory.CUDAPluggableAllocator(str(lib), "floor_malloc", "floor_free")
+        )
 
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
@@ -200,16 +201,35 @@ def child(args):
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     after_empty_cache = {
-        "reserved_after_empty_cache": vmpool.stats()["reserved_bytes"] if vmpool is not None
-        else 0 if floor else torch.cuda.memory_reserved(),
+        "reserved_after_empty_cache": vmpool.stats()["reserved_bytes"]
+        if vmpool is not None
+        else 0
+        if floor
+        else torch.cuda.memory_reserved(),
         "device_after_empty_cache": total - free - baseline,
     }
     if vmpool is not None:
         s = vmpool.stats()
         reserved, allocated = s["reserved_high"], s["used_high"]
-        extra = {k: s[k] for k in ("remaps", "bytes_remapped", "chunks_created", "chunks_released", "grows",
-                                   "maps", "unmaps", "refused_frees", "timed_calls", "call_nanos",
-                                   "step_layouts", "planned", "missed", "step_region_bytes")}
+        extra = {
+            k: s[k]
+            for k in (
+                "remaps",
+                "bytes_remapped",
+                "chunks_created",
+                "chunks_released",
+                "grows",
+                "maps",
+                "unmaps",
+                "refused_frees",
+                "timed_calls",
+                "call_nanos",
+                "step_layouts",
+                "planned",
+                "missed",
+                "step_region_bytes",
+            )
+        }
         # vmpool's count of marks, apart from the run's "steps" below.
         extra["step_marks"] = s["steps"]
     elif floor:
@@ -222,16 +242,19 @@ def child(args):
     # The footprint as it was after step 24 (the length of the short runs),
     # after step 100, and at the end: whether it creeps up over a long run.
     extra["step_footprint"] = step_footprint
-    extra["footprint_at"] = {**{str(n): step_footprint[n - 1] if len(step_footprint) >= n else None
-                                for n in FOOTPRINT_AT}, "last": step_footprint[-1] if step_footprint else None}
+    extra["footprint_at"] = {
+        **{str(n): step_footprint[n - 1] if len(step_footprint) >= n else None for n in FOOTPRINT_AT},
+        "last": step_footprint[-1] if step_footprint else None,
+    }
     if vmpool is not None or native:
         # Steps with driver work, in all and after step SETTLED, by when a
         # pool that has grown to the workload should need none.
         extra["step_driver_calls"] = step_driver_calls
         extra["driver_steps"] = sum(1 for n in step_driver_calls if n)
         extra["settled_after"] = SETTLED
-        extra["driver_steps_after_settled"] = (sum(1 for n in step_driver_calls[SETTLED:] if n)
-                                               if len(step_driver_calls) > SETTLED else None)
+        extra["driver_steps_after_settled"] = (
+            sum(1 for n in step_driver_calls[SETTLED:] if n) if len(step_driver_calls) > SETTLED else None
+        )
     if vmpool is not None:
         # Steps after the warm-up, split by whether they made driver calls
         # (mapped or unmapped chunks): tells the driver's share of the step
@@ -272,9 +295,18 @@ def child(args):
 FOOTPRINT_AT = (24, 100)
 SETTLED = 50
 # vmpool's counters that say where its calls' time goes.
-CALL_COUNTERS = ("timed_calls", "call_nanos", "timed_frees", "free_nanos", "allocations",
-                 "same_stream_reuses", "frees_merged", "frees_completed", "events_recorded",
-                 "waits_inserted")
+CALL_COUNTERS = (
+    "timed_calls",
+    "call_nanos",
+    "timed_frees",
+    "free_nanos",
+    "allocations",
+    "same_stream_reuses",
+    "frees_merged",
+    "frees_completed",
+    "events_recorded",
+    "waits_inserted",
+)
 
 
 def calls_breakdown(q):
@@ -286,12 +318,14 @@ def calls_breakdown(q):
     def per_step(k):
         return q[k] / q["steps"]
 
-    return (f"steps with no driver call ({q['steps']}): {per_step('timed_calls'):.0f} calls a step, "
-            f"allocations {(q['call_nanos'] - q['free_nanos']) / max(allocs, 1):.0f} ns "
-            f"({100 * q['same_stream_reuses'] / max(q['allocations'], 1):.0f} % without the pool's lock), "
-            f"frees {q['free_nanos'] / max(q['timed_frees'], 1):.0f} ns; a step: "
-            f"{per_step('events_recorded'):.1f} events recorded, {per_step('frees_merged'):.0f} frees merged, "
-            f"{per_step('frees_completed'):.0f} completed, {per_step('waits_inserted'):.1f} waits inserted")
+    return (
+        f"steps with no driver call ({q['steps']}): {per_step('timed_calls'):.0f} calls a step, "
+        f"allocations {(q['call_nanos'] - q['free_nanos']) / max(allocs, 1):.0f} ns "
+        f"({100 * q['same_stream_reuses'] / max(q['allocations'], 1):.0f} % without the pool's lock), "
+        f"frees {q['free_nanos'] / max(q['timed_frees'], 1):.0f} ns; a step: "
+        f"{per_step('events_recorded'):.1f} events recorded, {per_step('frees_merged'):.0f} frees merged, "
+        f"{per_step('frees_completed'):.0f} completed, {per_step('waits_inserted'):.1f} waits inserted"
+    )
 
 
 def mapped(stats):
@@ -312,7 +346,8 @@ def segment_calls(memory):
 
 def is_vmpool(allocator):
     return allocator in ("vmpool", "vmpool-unmarked", "vmpool-steps") or allocator.startswith(
-        ("vmpool@", "vmpool/", "vmpool=", "vmpool-steps/"))
+        ("vmpool@", "vmpool/", "vmpool=", "vmpool-steps/")
+    )
 
 
 def step_time(runs):
@@ -338,9 +373,10 @@ def speed_interval(runs, native_runs, resamples=2000):
     if min(len(runs), len(native_runs)) < 3 or not all("step_ms" in r for r in runs + native_runs):
         return None
     rng = random.Random(0)
-    ratios = sorted(step_time(rng.choices(runs, k=len(runs))) /
-                    step_time(rng.choices(native_runs, k=len(native_runs)))
-                    for _ in range(resamples))
+    ratios = sorted(
+        step_time(rng.choices(runs, k=len(runs))) / step_time(rng.choices(native_runs, k=len(native_runs)))
+        for _ in range(resamples)
+    )
     return ratios[resamples // 20], ratios[resamples - 1 - resamples // 20]
 
 
@@ -372,8 +408,10 @@ def check_allocator(allocator):
         if n != "off" and (not n.isdigit() or int(n) < 1):
             raise SystemExit(f"{allocator!r}: /N takes a whole number, at least 1, or off")
     elif allocator not in ALLOCATORS and allocator != "floor" and not allocator.startswith("vmpool@"):
-        raise SystemExit(f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
-                         "vmpool/N, vmpool-steps/N, vmpool=PATH or floor")
+        raise SystemExit(
+            f"unknown allocator {allocator!r}: one of {', '.join(ALLOCATORS)}, vmpool@SIZE, "
+            "vmpool/N, vmpool-steps/N, vmpool=PATH or floor"
+        )
 
 
 def trace_name(path):
@@ -426,9 +464,21 @@ def run_child(workload, allocator, args, trace=None):
     if trace:
         env["VMPOOL_CALLS_TRACE"] = str(Path(trace).resolve())
     started = time.perf_counter()
-    result, proc = run_case(Path(__file__).resolve(), "--child", "--workload", workload, "--allocator",
-                            allocator, "--steps", str(args.steps), "--seed", str(args.seed), env=env,
-                            timeout=args.timeout, label=f"!! {name} / {allocator}")
+    result, proc = run_case(
+        Path(__file__).resolve(),
+        "--child",
+        "--workload",
+        workload,
+        "--allocator",
+        allocator,
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(args.seed),
+        env=env,
+        timeout=args.timeout,
+        label=f"!! {name} / {allocator}",
+    )
     wall = time.perf_counter() - started
     if result is None:
         return None
@@ -451,15 +501,19 @@ def table(results):
     failed = False
     repeats = max(r["repeat"] for r in results) + 1
     print()
-    print(f"Each row: {repeats} run(s). Footprint: the run with the highest ratio. Time: each step "
-          "after the warm-up takes its median over the runs (a step has the same shapes in every run and "
-          "under every allocator), and those are averaged; in brackets, the range of the runs' own mean "
-          "step times. 'vs native' divides the averages; in brackets, with three runs or more a side, the "
-          "5th-95th percentiles of that ratio when the runs are resampled (bootstrap). Under the rows, "
-          "'fastest': each step's fastest run, summed, against native's.")
+    print(
+        f"Each row: {repeats} run(s). Footprint: the run with the highest ratio. Time: each step "
+        "after the warm-up takes its median over the runs (a step has the same shapes in every run and "
+        "under every allocator), and those are averaged; in brackets, the range of the runs' own mean "
+        "step times. 'vs native' divides the averages; in brackets, with three runs or more a side, the "
+        "5th-95th percentiles of that ratio when the runs are resampled (bootstrap). Under the rows, "
+        "'fastest': each step's fastest run, summed, against native's."
+    )
     print()
-    print("| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
-          "| reserved / allocated | ms per step (range of runs) | vs native | losses |")
+    print(
+        "| workload | allocator | peak reserved (MiB) | device used (MiB) | peak allocated (MiB) "
+        "| reserved / allocated | ms per step (range of runs) | vs native | losses |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for workload in dict.fromkeys(label(r) for r in results):
         summary = {}
@@ -467,8 +521,13 @@ def table(results):
             runs = [r for r in results if label(r) == workload and r["allocator"] == allocator]
             if runs:
                 times = [r["ms_per_step"] for r in runs]
-                summary[allocator] = (max(runs, key=lambda r: r["ratio"]), step_time(runs),
-                                      min(times), max(times), runs)
+                summary[allocator] = (
+                    max(runs, key=lambda r: r["ratio"]),
+                    step_time(runs),
+                    min(times),
+                    max(times),
+                    runs,
+                )
         native = summary.get("native")
         # Each allocator's bootstrap interval against native's, for its row
         # and its time bar.
@@ -483,9 +542,12 @@ def table(results):
                 # native's runs: some kernels are not deterministic, and
                 # native's own runs can part from one another.
                 references = [n["losses"] for n in native[4]]
-                checks = ["equal" if r["losses"] in references
-                          else ("within 1e-3" if any(same(r["losses"], n) for n in references) else "DIFFER")
-                          for r in runs]
+                checks = [
+                    "equal"
+                    if r["losses"] in references
+                    else ("within 1e-3" if any(same(r["losses"], n) for n in references) else "DIFFER")
+                    for r in runs
+                ]
                 check = "DIFFER" if "DIFFER" in checks else ("within 1e-3" if "within 1e-3" in checks else "equal")
                 if check == "DIFFER" and any(n != references[0] for n in references):
                     # Not the allocator's doing where native differs from itself.
@@ -495,14 +557,18 @@ def table(results):
                 interval = intervals[allocator] = speed_interval(runs, native[4])
                 if interval:
                     speed += f" ({interval[0]:.3f}-{interval[1]:.3f})"
-            print(f"| {workload} | {allocator} | {worst['peak_reserved'] / MIB:.1f} | {worst['device_peak'] / MIB:.1f} "
-                  f"| {worst['peak_allocated'] / MIB:.1f} | {worst['ratio']:.4f} | {step:.2f} ({low:.2f}-{high:.2f}) "
-                  f"| {speed} | {check} |")
+            print(
+                f"| {workload} | {allocator} | {worst['peak_reserved'] / MIB:.1f} | {worst['device_peak'] / MIB:.1f} "
+                f"| {worst['peak_allocated'] / MIB:.1f} | {worst['ratio']:.4f} | {step:.2f} ({low:.2f}-{high:.2f}) "
+                f"| {speed} | {check} |"
+            )
         for allocator, v in summary.items():
             ratio = fastest_ratio(v[4], native[4]) if native is not None and allocator != "native" else None
             if ratio is not None:
-                print(f"|   fastest | {allocator}: each step's fastest of {len(v[4])} runs, summed, vs native's "
-                      f"fastest of {len(native[4])}: {ratio:.3f} | | | | | | | |")
+                print(
+                    f"|   fastest | {allocator}: each step's fastest of {len(v[4])} runs, summed, vs native's "
+                    f"fastest of {len(native[4])}: {ratio:.3f} | | | | | | | |"
+                )
         others = {a: v[0]["ratio"] for a, v in summary.items() if not is_vmpool(a)}
         # The bar is against all three of PyTorch's configurations; a run
         # without some of them checks less, and says so.
@@ -515,19 +581,26 @@ def table(results):
             ratio = v[0]["ratio"]
             best = min(others.values())
             against = ", ".join(f"{a} {r:.4f}" for a, r in others.items())
-            print(f"|   bar | {allocator} ratio {ratio:.4f} vs the best of PyTorch's ({against}) "
-                  f"and 1.02: {'met' if ratio <= min(best, 1.02) else 'NOT met'}{partial} | | | | | | | |")
+            print(
+                f"|   bar | {allocator} ratio {ratio:.4f} vs the best of PyTorch's ({against}) "
+                f"and 1.02: {'met' if ratio <= min(best, 1.02) else 'NOT met'}{partial} | | | | | | | |"
+            )
         # The time bar: within 3 % of native's time per step.
         for allocator, v in summary.items():
             if native is None or not is_vmpool(allocator) or v[4][0]["workload"] in PROBES:
                 continue
             speed = v[1] / native[1]
             interval = intervals[allocator]
-            reach = (f"; its interval {interval[0]:.3f}-{interval[1]:.3f} "
-                     f"{'stays under' if interval[1] <= 1.03 else 'reaches past'} 1.03" if interval else
-                     "; no interval with fewer than three runs a side")
-            print(f"|   bar | {allocator} time {speed:.3f} of native's vs 1.03: "
-                  f"{'met' if speed <= 1.03 else 'NOT met'} on the point estimate{reach} | | | | | | | |")
+            reach = (
+                f"; its interval {interval[0]:.3f}-{interval[1]:.3f} "
+                f"{'stays under' if interval[1] <= 1.03 else 'reaches past'} 1.03"
+                if interval
+                else "; no interval with fewer than three runs a side"
+            )
+            print(
+                f"|   bar | {allocator} time {speed:.3f} of native's vs 1.03: "
+                f"{'met' if speed <= 1.03 else 'NOT met'} on the point estimate{reach} | | | | | | | |"
+            )
     return failed
 
 
@@ -548,13 +621,17 @@ def long_table(results):
     if not any("footprint_at" in r for r in results):
         return
     print()
-    print("Long runs. Time: as above; in brackets, the bootstrap's 5th-95th percentiles. Fastest: each "
-          "step's fastest run, summed, against native's. Footprint: peak reserved over peak allocated as it "
-          "was after that step, the highest of the runs. Driver calls: steps that mapped or unmapped chunks "
-          "(vmpool) or allocated or freed segments (native), of all the runs' steps after the step named.")
+    print(
+        "Long runs. Time: as above; in brackets, the bootstrap's 5th-95th percentiles. Fastest: each "
+        "step's fastest run, summed, against native's. Footprint: peak reserved over peak allocated as it "
+        "was after that step, the highest of the runs. Driver calls: steps that mapped or unmapped chunks "
+        "(vmpool) or allocated or freed segments (native), of all the runs' steps after the step named."
+    )
     print()
-    print("| workload | allocator | runs x steps | time vs native | fastest vs native "
-          f"| footprint after {FOOTPRINT_AT[0]} | after {FOOTPRINT_AT[1]} | at the end | steps with driver calls |")
+    print(
+        "| workload | allocator | runs x steps | time vs native | fastest vs native "
+        f"| footprint after {FOOTPRINT_AT[0]} | after {FOOTPRINT_AT[1]} | at the end | steps with driver calls |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for workload in dict.fromkeys(label(r) for r in results):
         by_allocator = {}
@@ -578,15 +655,20 @@ def long_table(results):
             for at in [*map(str, FOOTPRINT_AT), "last"]:
                 value = highest(r.get("footprint_at", {}).get(at) for r in runs)
                 footprints.append("-" if value is None else f"{value:.4f}")
-            settled = [(r["driver_steps_after_settled"], r["steps"] - r["settled_after"], r["settled_after"])
-                       for r in runs if r.get("driver_steps_after_settled") is not None]
+            settled = [
+                (r["driver_steps_after_settled"], r["steps"] - r["settled_after"], r["settled_after"])
+                for r in runs
+                if r.get("driver_steps_after_settled") is not None
+            ]
             if settled:
                 driver, of = sum(d for d, _, _ in settled), sum(n for _, n, _ in settled)
                 calls = f"{100 * driver / of:.1f} % ({driver} of {of} after step {settled[0][2]})"
             else:
                 calls = "-"
-            print(f"| {workload} | {allocator} | {len(runs)} x {runs[0]['steps']} | {speed} | {fastest} "
-                  f"| {' | '.join(footprints)} | {calls} |")
+            print(
+                f"| {workload} | {allocator} | {len(runs)} x {runs[0]['steps']} | {speed} | {fastest} "
+                f"| {' | '.join(footprints)} | {calls} |"
+            )
 
 
 def main():
@@ -595,28 +677,49 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", choices=list(BUILD))
     p.add_argument("--allocator")
-    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                   help=f"from {', '.join(BUILD)}, or models: all {len(MODELS)} but the probes "
-                        f"(default: {', '.join(DEFAULT_WORKLOADS)})")
+    p.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"from {', '.join(BUILD)}, or models: all {len(MODELS)} but the probes "
+        f"(default: {', '.join(DEFAULT_WORKLOADS)})",
+    )
     p.add_argument("--allocators", default=",".join(ALLOCATORS))
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=1, help="runs of each allocator, interleaved")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
     p.add_argument("--json", help="write all results here (again after every run)")
-    p.add_argument("--no-call-timing", action="store_true",
-                   help="vmpool runs without VMPOOL_TIMING: no time of its own calls, none of the "
-                        "clock reads' cost in its step time")
-    p.add_argument("--table", metavar="JSON", nargs="+",
-                   help="print the tables of earlier runs' --json (several: their runs together) and exit")
-    p.add_argument("--from-step", type=int, default=WARMUP, metavar="N",
-                   help=f"time steps from step N on, the first N being warm-up (default {WARMUP}); "
-                        "with --table, a steady state after a layout, say")
-    p.add_argument("--calls-trace", metavar="FILE[,FILE...]",
-                   help="the traces the calls probe replays, each a workload of its own (the shared format, "
-                        "gzip or plain; default: GPT-2 training's)")
-    p.add_argument("--record", metavar="DIR", help="vmpool runs write their allocation traces here "
-                   "(VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay")
+    p.add_argument(
+        "--no-call-timing",
+        action="store_true",
+        help="vmpool runs without VMPOOL_TIMING: no time of its own calls, none of the "
+        "clock reads' cost in its step time",
+    )
+    p.add_argument(
+        "--table",
+        metavar="JSON",
+        nargs="+",
+        help="print the tables of earlier runs' --json (several: their runs together) and exit",
+    )
+    p.add_argument(
+        "--from-step",
+        type=int,
+        default=WARMUP,
+        metavar="N",
+        help=f"time steps from step N on, the first N being warm-up (default {WARMUP}); "
+        "with --table, a steady state after a layout, say",
+    )
+    p.add_argument(
+        "--calls-trace",
+        metavar="FILE[,FILE...]",
+        help="the traces the calls probe replays, each a workload of its own (the shared format, "
+        "gzip or plain; default: GPT-2 training's)",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="vmpool runs write their allocation traces here (VMPOOL_RECORD=DIR/WORKLOAD), for vmpool-replay",
+    )
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -669,30 +772,47 @@ def main():
 def print_run(r):
     """A run's lines, as it ends."""
     pad = f"{'':15} {'':16}"
-    print(f"{label(r):15} {r['allocator']:16} reserved {r['peak_reserved'] / MIB:9.1f} MiB  "
-          f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
-          f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
-          f"({r['wall_s']:.0f} s)", flush=True)
-    print(f"{pad} after torch.cuda.empty_cache(): reserved {r['reserved_after_empty_cache'] / MIB:.1f} MiB, "
-          f"device {r['device_after_empty_cache'] / MIB:.1f} MiB", flush=True)
-    at = ", ".join(f"{'at the end' if k == 'last' else 'after step ' + k} {v:.4f}"
-                   for k, v in r["footprint_at"].items() if v is not None)
+    print(
+        f"{label(r):15} {r['allocator']:16} reserved {r['peak_reserved'] / MIB:9.1f} MiB  "
+        f"allocated {r['peak_allocated'] / MIB:9.1f} MiB  ratio {r['ratio']:.4f}  "
+        f"device {r['device_peak'] / MIB:9.1f} MiB  {r['ms_per_step']:8.2f} ms/step  "
+        f"({r['wall_s']:.0f} s)",
+        flush=True,
+    )
+    print(
+        f"{pad} after torch.cuda.empty_cache(): reserved {r['reserved_after_empty_cache'] / MIB:.1f} MiB, "
+        f"device {r['device_after_empty_cache'] / MIB:.1f} MiB",
+        flush=True,
+    )
+    at = ", ".join(
+        f"{'at the end' if k == 'last' else 'after step ' + k} {v:.4f}"
+        for k, v in r["footprint_at"].items()
+        if v is not None
+    )
     driver = ""
     if "driver_steps" in r:
         driver = f"; steps with driver calls: {r['driver_steps']} of {r['steps']}"
         if r["driver_steps_after_settled"] is not None:
-            driver += (f", {r['driver_steps_after_settled']} of the {r['steps'] - r['settled_after']} "
-                       f"after step {r['settled_after']}")
+            driver += (
+                f", {r['driver_steps_after_settled']} of the {r['steps'] - r['settled_after']} "
+                f"after step {r['settled_after']}"
+            )
     print(f"{pad} footprint {at}{driver}", flush=True)
     if "steps_with_driver_work" in r:
-        print(f"{pad} timed steps with driver calls: {r['steps_with_driver_work']} "
-              f"({sum(r['step_maps'][WARMUP:])} chunks mapped), "
-              f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
-              f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms", flush=True)
+        print(
+            f"{pad} timed steps with driver calls: {r['steps_with_driver_work']} "
+            f"({sum(r['step_maps'][WARMUP:])} chunks mapped), "
+            f"median {fmt_ms(r['ms_median_with_driver_work'])}; the others: median "
+            f"{fmt_ms(r['ms_median_without_driver_work'])}; all: median {r['ms_median']:.2f} ms",
+            flush=True,
+        )
         calls = r["step_call_ms"][WARMUP:] or r["step_call_ms"]
         if r["timed_calls"]:
-            print(f"{pad} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed "
-                  f"step on average ({r['timed_calls']} calls in the run)", flush=True)
+            print(
+                f"{pad} in vmpool's calls: {statistics.fmean(calls):.2f} ms a timed "
+                f"step on average ({r['timed_calls']} calls in the run)",
+                flush=True,
+            )
         breakdown = calls_breakdown(r.get("calls_without_driver_work"))
         if breakdown:
             print(f"{pad} {breakdown}", flush=True)

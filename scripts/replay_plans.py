@@ -15,6 +15,7 @@ byte for byte:
     scripts/replay_plans.py > after.txt      # on the new one
     diff before.txt after.txt
 """
+
 import argparse
 import concurrent.futures
 import glob
@@ -55,7 +56,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "vmpool-replay"))
     p.add_argument(
-        "--shared", default=os.environ.get("VMPOOL_EXTRA_TRACES"), help="folder of more traces (default: $VMPOOL_EXTRA_TRACES)"
+        "--shared",
+        default=os.environ.get("VMPOOL_EXTRA_TRACES"),
+        help="folder of more traces (default: $VMPOOL_EXTRA_TRACES)",
     )
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()

@@ -15,6 +15,7 @@ stream-ordered: 36 training replays and 12 generation ones.
     scripts/replay_suite.py [--passes 8] [--jobs 2] [-- VMPOOL-REPLAY OPTIONS]
     scripts/replay_suite.py -- --chunk-divisor 1024
 """
+
 import argparse
 import concurrent.futures
 import glob
@@ -98,7 +99,9 @@ def main():
             f"{name:32} {'so' if so else 'sync':4} pass 1 {row['first']:.4f}  pass {args.passes} {row['last']:.4f}"
             f"  est. driver: pass 1 {row['est_first_ms']:7.1f} ms, later {row['est_later_ms']:6.1f} ms a pass"
         )
-    for label, group in (("training", [r for r in rows if not r["generation"]]), ("generation", [r for r in rows if r["generation"]])):
+    training = [r for r in rows if not r["generation"]]
+    generation = [r for r in rows if r["generation"]]
+    for label, group in (("training", training), ("generation", generation)):
         firsts = [r["first"] for r in group]
         lasts = [r["last"] for r in group]
         print(

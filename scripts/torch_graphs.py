@@ -29,6 +29,7 @@ runs in a process of its own:
 Exits non-zero when a case fails to capture, computes a wrong result,
 loses a sentinel, or (vmpool) keeps the graph's pool.
 """
+
 import sys
 import traceback
 from pathlib import Path
@@ -174,14 +175,18 @@ def check(flag, case):
         print(f"  {case:8} FAILED: {r['error']}")
         return False
     ok = r["replay_right"] and r["sentinels_kept"]
-    line = (f"  {case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
-            f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}")
+    line = (
+        f"  {case:8} captured; replay result {'right' if r['replay_right'] else 'WRONG'}; eager tensors "
+        f"{'kept' if r['sentinels_kept'] else 'OVERWRITTEN by the replay'}"
+    )
     if "graph_pools_after" in r:
-        line += (f"; graph pools {r['graph_pools_during']} while both graphs live, "
-                 f"{r['graph_pools_shared']} while one does, {r['graph_pools_after']} after")
+        line += (
+            f"; graph pools {r['graph_pools_during']} while both graphs live, "
+            f"{r['graph_pools_shared']} while one does, {r['graph_pools_after']} after"
+        )
         ok &= (r["graph_pools_during"], r["graph_pools_shared"], r["graph_pools_after"]) == (1, 1, 0)
     print(line)
-    for log in [l for l in proc.stderr.splitlines() if "vmpool" in l][-5:]:
+    for log in [entry for entry in proc.stderr.splitlines() if "vmpool" in entry][-5:]:
         print(f"           log: {log}")
     return ok
 

@@ -15,6 +15,7 @@ of its own:
 
 Exits non-zero when a case behaves otherwise.
 """
+
 import sys
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def child(case):
 
 def check(case, r):
     how = "an out-of-memory error" if r["raised"] else "a tensor with a null pointer, no error"
-    print(f"{case:8} 12 GiB over a 0.05 fraction: "
-          f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "
-          f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB")
+    print(
+        f"{case:8} 12 GiB over a 0.05 fraction: "
+        f"{'refused, as ' + how if r['refused_over_fraction'] else 'ALLOWED'}; "
+        f"fits at 1.0; device memory in use after empty_cache: {r['used_after_empty_cache'] / GIB:.2f} GiB"
+    )
     return r["refused_over_fraction"]
 
 

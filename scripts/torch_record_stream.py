@@ -19,6 +19,7 @@ Exits non-zero when native or vmpool gets a wrong sum (the unhooked case is
 expected to, whenever it reuses the memory), or when a case's side stream
 had already finished at the free, which would make the check prove nothing.
 """
+
 import sys
 from pathlib import Path
 
@@ -37,8 +38,7 @@ def child(case):
     if case == "vmpool-unhooked":
         import vmpool_torch
 
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            vmpool_torch.library_path(), "vmpool_alloc", "vmpool_free")
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(vmpool_torch.library_path(), "vmpool_alloc", "vmpool_free")
         torch.cuda.memory.change_current_allocator(allocator)
     main = torch.cuda.current_stream()
     side = torch.cuda.Stream()

@@ -16,6 +16,7 @@ Exits non-zero when a statistic is missing or disagrees with what the
 allocator itself reports (vmpool: `vmpool_torch.stats()`), or a peak does
 not reset.
 """
+
 import sys
 from pathlib import Path
 
@@ -60,20 +61,29 @@ def child(case):
 
 
 def check(case, r):
-    line = ", ".join(f"{k} {r[k] / MIB:.0f} MiB" for k in
-                     ("allocated", "max_allocated", "reserved", "max_reserved", "max_allocated_after_reset"))
+    line = ", ".join(
+        f"{k} {r[k] / MIB:.0f} MiB"
+        for k in ("allocated", "max_allocated", "reserved", "max_reserved", "max_allocated_after_reset")
+    )
     print(f"{case:8} {line}; memory_summary() {r['memory_summary']}")
-    ok = (r["memory_summary"].startswith("works")
-          and r["allocated"] == r["stats_allocated"] >= 64 * MIB
-          and r["max_allocated"] >= 320 * MIB
-          and r["max_allocated_after_reset"] == r["allocated"]
-          and r["max_reserved"] >= r["reserved"] >= r["allocated"])
+    ok = (
+        r["memory_summary"].startswith("works")
+        and r["allocated"] == r["stats_allocated"] >= 64 * MIB
+        and r["max_allocated"] >= 320 * MIB
+        and r["max_allocated_after_reset"] == r["allocated"]
+        and r["max_reserved"] >= r["reserved"] >= r["allocated"]
+    )
     if case == "vmpool":
         own = r["own"]
-        print(f"         vmpool's own: used {own['used'] / MIB:.0f} MiB, reserved {own['reserved'] / MIB:.0f} MiB; "
-              f"PyTorch's own statistics for it: {r['pytorch_itself']}")
-        ok &= (r["allocated"] == own["used"] and r["reserved"] == own["reserved"]
-               and r["max_reserved"] == own["reserved_high"])
+        print(
+            f"         vmpool's own: used {own['used'] / MIB:.0f} MiB, reserved {own['reserved'] / MIB:.0f} MiB; "
+            f"PyTorch's own statistics for it: {r['pytorch_itself']}"
+        )
+        ok &= (
+            r["allocated"] == own["used"]
+            and r["reserved"] == own["reserved"]
+            and r["max_reserved"] == own["reserved_high"]
+        )
     print(f"         {'right' if ok else 'WRONG'}")
     return ok
 

@@ -8,6 +8,7 @@ tensor sizes, as another model width or batch mix would give.
 
     scripts/trace_variants.py TRACE OUTDIR [SEEDS]   (SEEDS default 4)
 """
+
 import gzip
 import os
 import random
