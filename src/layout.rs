@@ -182,9 +182,13 @@ fn lay_out_within(
         Orders::AtOnce => {
             let first = run(0, &by_breadth);
             std::thread::scope(|s| {
-                let second = s.spawn(|| run(1, &by_size));
+                let second = std::thread::Builder::new()
+                    .name("vmpool-plan".into())
+                    .spawn_scoped(s, || run(1, &by_size));
                 let third = run(2, &by_size_longest);
-                [first, join(second), third]
+                // No thread to be had: in turn, with the same result.
+                let second = second.map_or_else(|_| run(1, &by_size), join);
+                [first, second, third]
             })
         }
     };
