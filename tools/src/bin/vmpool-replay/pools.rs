@@ -21,11 +21,9 @@ pub(crate) struct VmpoolRun<'a> {
     pub(crate) slack: bool,
 }
 
-/// The slack at the highest reserved bytes seen so far.
-struct SlackAtPeak {
-    reserved: u64,
-    slack: Option<vmpool::Slack>,
-}
+/// The slack at the highest reserved bytes seen so far (`None` before
+/// the pool reserves any).
+struct SlackAtPeak(Option<vmpool::Slack>);
 
 /// A vmpool pool, synchronous or stream-ordered on one stream.
 struct VmpoolReplay<B: Backend> {
@@ -57,9 +55,8 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
     fn sample(&mut self) -> Result<()> {
         if let Some(peak) = &mut self.slack {
             let reserved = self.pool.attribute(PoolAttribute::ReservedMemCurrent);
-            if reserved > peak.reserved {
-                peak.reserved = reserved;
-                peak.slack = Some(self.pool.snapshot().slack());
+            if reserved > peak.0.map_or(0, |s| s.reserved) {
+                peak.0 = Some(self.pool.snapshot().slack());
             }
         }
         Ok(())
@@ -95,22 +92,14 @@ pub(crate) fn replay_vmpool<B: Backend>(
     let mut replayed = VmpoolReplay {
         pool,
         stream: run.stream_ordered.then(|| stream.clone()),
-        slack: run.slack.then_some(SlackAtPeak {
-            reserved: 0,
-            slack: None,
-        }),
+        slack: run.slack.then_some(SlackAtPeak(None)),
     };
-    let measured = replay(&mut replayed, trace, schedule)?;
+    let mut measured = replay(&mut replayed, trace, schedule)?;
     let pool = &replayed.pool;
     let stats = pool.stats();
     ctx.synchronize_stream(&stream)?;
     Ok(Report {
-        peak_reserved: pool.attribute(PoolAttribute::ReservedMemHigh),
-        pass_peaks: measured.peaks,
-        pass_maps: measured.maps,
-        step_maps: measured.step_maps,
-        ops: (trace.ops.len() * schedule.passes) as u64,
-        nanos: measured.nanos,
+        step_maps: std::mem::take(&mut measured.step_maps),
         remaps: stats.remaps,
         bytes_remapped: stats.bytes_remapped,
         chunks_created: stats.chunks_created,
@@ -120,7 +109,13 @@ pub(crate) fn replay_vmpool<B: Backend>(
         maps: stats.maps,
         unmaps: stats.unmaps,
         steps: pool.step_counters(),
-        slack_at_peak: replayed.slack.and_then(|peak| peak.slack),
+        slack_at_peak: replayed.slack.and_then(|peak| peak.0),
+        ..Report::measured(
+            pool.attribute(PoolAttribute::ReservedMemHigh),
+            measured,
+            trace,
+            schedule,
+        )
     })
 }
 
@@ -155,14 +150,12 @@ pub(crate) fn replay_cuda_async(
     };
     let measured = replay(&mut replayed, trace, schedule)?;
     cuda.synchronize_stream(&replayed.stream)?;
-    Ok(Report {
-        peak_reserved: replayed.pool.reserved_high()?,
-        pass_peaks: measured.peaks,
-        pass_maps: measured.maps,
-        ops: (trace.ops.len() * schedule.passes) as u64,
-        nanos: measured.nanos,
-        ..Report::default()
-    })
+    Ok(Report::measured(
+        replayed.pool.reserved_high()?,
+        measured,
+        trace,
+        schedule,
+    ))
 }
 
 /// Plain cuMemAlloc / cuMemFree; its footprint is the device's used
@@ -216,12 +209,10 @@ pub(crate) fn replay_cuda_malloc(
     replayed.baseline = replayed.used()?;
     replayed.peak = replayed.baseline;
     let measured = replay(&mut replayed, trace, schedule)?;
-    Ok(Report {
-        peak_reserved: replayed.reserved_high()?,
-        pass_peaks: measured.peaks,
-        pass_maps: measured.maps,
-        ops: (trace.ops.len() * schedule.passes) as u64,
-        nanos: measured.nanos,
-        ..Report::default()
-    })
+    Ok(Report::measured(
+        replayed.reserved_high()?,
+        measured,
+        trace,
+        schedule,
+    ))
 }

@@ -34,6 +34,25 @@ pub(crate) struct Report {
 }
 
 impl Report {
+    /// What every allocator's replay reports: its peak reserved bytes,
+    /// and what the replay of `trace` as `schedule` measured (the steps'
+    /// maps aside: only vmpool's are reported).
+    pub(crate) fn measured(
+        peak_reserved: u64,
+        measured: Passes,
+        trace: &Trace,
+        schedule: &Schedule,
+    ) -> Self {
+        Report {
+            peak_reserved,
+            pass_peaks: measured.peaks,
+            pass_maps: measured.maps,
+            ops: (trace.ops.len() * schedule.passes) as u64,
+            nanos: measured.nanos,
+            ..Report::default()
+        }
+    }
+
     /// Estimated driver time of the replay's growth and remapping on the
     /// H200, in microseconds, from `driver_tour`'s costs (docs/RESULTS.md,
     /// "What a chunk costs"): each chunk created costs about 9 us to create
