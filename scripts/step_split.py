@@ -12,13 +12,21 @@ prints, for step K (by default the third from the last: a step in the
 steady state), the peak of its own allocations, the peak of the rest
 (and what the rest held at the mark), their sum, the peak of both
 together, and the sum over that peak: what a perfect layout beside a
-perfect heap would cost over the trace's footprint floor."""
+perfect heap would cost over the trace's footprint floor.
+
+    python3 scripts/step_split.py TRACE --shift N
+    python3 scripts/step_split.py TRACE --best-shifts 5
+
+weigh the step as if each mark came N operations later; the second
+tries every shift within the step and prints the five whose split
+costs least, the largest own peak first among equals."""
 
 from __future__ import annotations
 
 import argparse
 import gzip
 from collections.abc import Iterator
+from typing import NamedTuple
 
 MIB = 1 << 20
 
@@ -32,57 +40,81 @@ def operations(path: str) -> Iterator[list[str]]:
                 yield fields
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace")
-    p.add_argument("--step", type=int, help="the step to weigh, from 0 (default: the third from the last)")
-    args = p.parse_args()
-    ops = list(operations(args.trace))
-    # The step each allocation is made and freed in.
-    step, made, freed, size = 0, {}, {}, {}
-    for op in ops:
+class Split(NamedTuple):
+    """The peaks of one window of operations: of the allocations made and
+    freed within it, of the rest, and of both together, in bytes."""
+
+    own: int
+    rest: int
+    both: int
+    at_start: int
+
+    @property
+    def cost(self) -> float:
+        return (self.own + self.rest) / self.both
+
+
+def split(ops: list[list[str]], lo: int, hi: int, made: dict, freed: dict, size: dict) -> Split:
+    """The split of the window `ops[lo:hi]`; `made` and `freed` give each
+    allocation's operation index (freed: absent if never)."""
+    rest = sum(size[a] for a, at in made.items() if at < lo and freed.get(a, len(ops)) > lo)
+    own, own_peak, rest_peak, both_peak = 0, 0, rest, rest
+    at_start = rest
+    for i in range(lo, hi):
+        op = ops[i]
         if op[0] == "s":
-            step += 1
-        elif op[0] == "a":
-            made[op[1]], size[op[1]] = step, int(op[2])
-        elif op[0] == "f":
-            freed[op[1]] = step
-    steps = step
-    if steps < 2:
-        raise SystemExit(f"{args.trace}: {steps} step marks; a split needs a step between two")
-    k = steps - 3 if args.step is None else args.step
-    if not 0 < k < steps:
-        raise SystemExit(f"--step {k}: the trace's whole steps are 1 to {steps - 1}")
-    step, live, own, rest = 0, set(), 0, 0
-    at_mark = own_peak = rest_peak = both_peak = 0
-    for op in ops:
-        if op[0] == "s":
-            step += 1
-            if step == k:
-                rest = at_mark = sum(size[a] for a in live)
-                rest_peak = both_peak = rest
             continue
-        if step > k:
-            break
-        if step < k:
-            if op[0] == "a":
-                live.add(op[1])
-            else:
-                live.discard(op[1])
-            continue
-        within = made[op[1]] == k and freed.get(op[1]) == k
-        delta = size[op[1]] if op[0] == "a" else -size[op[1]]
+        a = op[1]
+        within = made[a] >= lo and freed.get(a, len(ops)) < hi
+        delta = size[a] if op[0] == "a" else -size[a]
         if within:
             own += delta
         else:
             rest += delta
         own_peak, rest_peak, both_peak = max(own_peak, own), max(rest_peak, rest), max(both_peak, own + rest)
-    print(
-        f"{args.trace}: step {k} of {steps}: its own allocations' peak {own_peak / MIB:.1f} MiB, "
-        f"the rest's {rest_peak / MIB:.1f} (at the mark {at_mark / MIB:.1f}), "
-        f"sum {(own_peak + rest_peak) / MIB:.1f}, both together {both_peak / MIB:.1f}: "
-        f"{(own_peak + rest_peak) / both_peak:.4f}"
-    )
+    return Split(own_peak, rest_peak, both_peak, at_start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--step", type=int, help="the step to weigh, from 0 (default: the third from the last)")
+    p.add_argument("--shift", type=int, default=0, help="weigh the step as if each mark came N operations later")
+    p.add_argument("--best-shifts", type=int, metavar="N", help="print the N shifts whose split costs least")
+    args = p.parse_args()
+    ops = list(operations(args.trace))
+    marks = [i for i, op in enumerate(ops) if op[0] == "s"]
+    made, freed, size = {}, {}, {}
+    for i, op in enumerate(ops):
+        if op[0] == "a":
+            made[op[1]], size[op[1]] = i, int(op[2])
+        elif op[0] == "f":
+            freed[op[1]] = i
+    steps = len(marks)
+    if steps < 2:
+        raise SystemExit(f"{args.trace}: {steps} step marks; a split needs a step between two")
+    k = steps - 3 if args.step is None else args.step
+    if not 0 < k < steps:
+        raise SystemExit(f"--step {k}: the trace's whole steps are 1 to {steps - 1}")
+    start, end = marks[k - 1], marks[k]
+    if args.best_shifts is not None and args.best_shifts < 1:
+        raise SystemExit(f"--best-shifts {args.best_shifts}: at least 1")
+    if args.best_shifts is None:
+        if not 0 <= args.shift < end - start or end + args.shift > len(ops):
+            raise SystemExit(f"--shift {args.shift}: step {k} has {end - start} operations")
+        shifts = [args.shift]
+    else:
+        shifts = range(0, min(end - start, len(ops) - end))
+    found = [(shift, split(ops, start + shift, end + shift, made, freed, size)) for shift in shifts]
+    if args.best_shifts is not None:
+        found = sorted(found, key=lambda f: (round(f[1].cost, 4), -f[1].own))[: args.best_shifts]
+    for shift, s in found:
+        print(
+            f"{args.trace}: step {k} of {steps}, marks {shift} operations later: "
+            f"its own allocations' peak {s.own / MIB:.1f} MiB, "
+            f"the rest's {s.rest / MIB:.1f} (at the mark {s.at_start / MIB:.1f}), "
+            f"sum {(s.own + s.rest) / MIB:.1f}, both together {s.both / MIB:.1f}: {s.cost:.4f}"
+        )
 
 
 if __name__ == "__main__":
