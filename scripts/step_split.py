@@ -41,8 +41,9 @@ def operations(path: str) -> Iterator[list[str]]:
 
 
 class Split(NamedTuple):
-    """The peaks of one window of operations: of the allocations made and
-    freed within it, of the rest, and of both together, in bytes."""
+    """The peaks of one window of operations, in bytes: of the allocations
+    made and freed within it, of the rest, and of both together; and what
+    the rest held as the window opened."""
 
     own: int
     rest: int
@@ -79,8 +80,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--step", type=int, help="the step to weigh, from 0 (default: the third from the last)")
-    p.add_argument("--shift", type=int, default=0, help="weigh the step as if each mark came N operations later")
-    p.add_argument("--best-shifts", type=int, metavar="N", help="print the N shifts whose split costs least")
+    shifting = p.add_mutually_exclusive_group()
+    shifting.add_argument("--shift", type=int, default=0, help="weigh the step as if each mark came N operations later")
+    shifting.add_argument("--best-shifts", type=int, metavar="N", help="print the N shifts whose split costs least")
     args = p.parse_args()
     ops = list(operations(args.trace))
     marks = [i for i, op in enumerate(ops) if op[0] == "s"]
