@@ -322,3 +322,86 @@ fn slack_at_the_peak_adds_up() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--slack is for vmpool"));
 }
+
+/// `--mapping-ops` names the allocations after which the pool had mapped
+/// chunks: on a small trace, the first large allocation and the one that
+/// outgrows it, and the first small one (its arena's first unit), but
+/// not a small one that fits beside it. Their chunks add up to the
+/// replay's maps, over every pass, operations counted on across passes;
+/// `--hold`'s allocation comes first, with no operation; only vmpool has
+/// the list, and asking for it moves no figure.
+#[test]
+fn mapping_ops_add_up_to_the_maps() {
+    let path = std::env::temp_dir().join(format!("vmpool-mapping-{}.trace", std::process::id()));
+    std::fs::write(
+        &path,
+        "a 1 3145728 1\na 2 40000000 1\nf 1 1\na 3 1000 1\na 4 2000 1\nf 2 1\n",
+    )
+    .unwrap();
+    let trace = path.to_str().unwrap();
+    let ops_of = |report: &serde_json::Value| -> Vec<(Option<u64>, u64, u64)> {
+        report["mapping_ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let op = m["op"].as_u64();
+                (op, m["size"].as_u64().unwrap(), m["maps"].as_u64().unwrap())
+            })
+            .collect()
+    };
+    let once = replay_json(&["--backend", "host", "--json", "--mapping-ops", trace]);
+    let ops = ops_of(&once);
+    let at: Vec<(Option<u64>, u64)> = ops.iter().map(|&(op, size, _)| (op, size)).collect();
+    assert_eq!(
+        at,
+        [(Some(0), 3145728), (Some(1), 40000000), (Some(3), 1000)],
+        "{once}"
+    );
+    assert!(ops.iter().all(|&(_, _, maps)| maps > 0));
+    let total = |ops: &[(Option<u64>, u64, u64)]| ops.iter().map(|&(_, _, m)| m).sum::<u64>();
+    assert_eq!(total(&ops), once["maps"].as_u64().unwrap());
+
+    let twice = replay_json(&[
+        "--backend",
+        "host",
+        "--json",
+        "--mapping-ops",
+        "--passes",
+        "2",
+        trace,
+    ]);
+    let ops = ops_of(&twice);
+    assert_eq!(total(&ops), twice["maps"].as_u64().unwrap());
+    assert!(ops.windows(2).all(|w| w[0].0 < w[1].0), "{twice}");
+    assert!(ops.iter().all(|&(op, _, _)| op.unwrap() < 12), "{twice}");
+
+    let held = replay_json(&[
+        "--backend",
+        "host",
+        "--json",
+        "--mapping-ops",
+        "--hold",
+        "2MiB",
+        trace,
+    ]);
+    let ops = ops_of(&held);
+    assert_eq!((ops[0].0, ops[0].1), (None, 2 << 20), "{held}");
+    assert_eq!(total(&ops), held["maps"].as_u64().unwrap());
+
+    let plain = replay_json(&["--backend", "host", "--json", trace]);
+    assert!(plain["mapping_ops"].is_null());
+    assert_eq!(plain["ratio"], once["ratio"], "listing moves nothing");
+    assert_eq!(plain["maps"], once["maps"]);
+    let refused = replay(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "cuda-async",
+        "--mapping-ops",
+        trace,
+    ]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--mapping-ops is for vmpool"));
+    std::fs::remove_file(&path).unwrap();
+}

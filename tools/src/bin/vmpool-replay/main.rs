@@ -3,7 +3,7 @@
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
 //!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
 //!                   [--defragment off|units|whole-regions] [--fresh-start when-emptied|never]
-//!                   [--passes N] [--mark-passes] [--hold BYTES] [--slack] [--json] TRACE
+//!                   [--passes N] [--mark-passes] [--hold BYTES] [--slack] [--mapping-ops] [--json] TRACE
 //!
 //! Footprint is peak reserved bytes over peak live bytes (1.0 is the
 //! floor). Speed is the wall time of the replay loop over the number of
@@ -143,6 +143,13 @@ struct Args {
     /// at each new high, outside the timed calls.
     #[arg(long)]
     slack: bool,
+    /// vmpool only: list the allocations after which the pool had mapped
+    /// chunks: the trace operation (counted from 0 over every pass), the
+    /// bytes asked for, and the chunks mapped since the allocation before
+    /// (by its growth, or by a step layout at a mark between). From the
+    /// pool's statistics after every allocation, outside the timed calls.
+    #[arg(long)]
+    mapping_ops: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -180,6 +187,9 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.slack && args.allocator != AllocatorKind::Vmpool {
         bail!("--slack is for vmpool");
     }
+    if args.mapping_ops && args.allocator != AllocatorKind::Vmpool {
+        bail!("--mapping-ops is for vmpool");
+    }
     if args.fresh_start != FreshStart::WhenEmptied && args.allocator != AllocatorKind::Vmpool {
         bail!("--fresh-start is for vmpool");
     }
@@ -208,6 +218,7 @@ fn replay_main(args: &Args) -> Result<()> {
         props: &props,
         stream_ordered: args.stream_ordered,
         slack: args.slack,
+        mapping_ops: args.mapping_ops,
     };
     if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
         bail!("the CUDA allocators need a GPU: --backend cuda or auto");
@@ -295,6 +306,10 @@ fn replay_main(args: &Args) -> Result<()> {
                     "pending_bytes": s.pending,
                     "other_bytes": s.other,
                 })),
+                "mapping_ops": report.mapping_ops.as_ref().map(|ops| ops
+                    .iter()
+                    .map(|m| serde_json::json!({"op": m.op, "size": m.size, "maps": m.maps}))
+                    .collect::<Vec<_>>()),
             })
         );
     } else {
@@ -358,6 +373,14 @@ fn replay_main(args: &Args) -> Result<()> {
                 mib(s.spare),
                 mib(s.pending),
                 mib(s.other)
+            );
+        }
+        for m in report.mapping_ops.iter().flatten() {
+            let at =
+                m.op.map_or("the held allocation".to_string(), |op| format!("op {op}"));
+            println!(
+                "mapped at       {at:>14}: {} bytes asked, {} chunks",
+                m.size, m.maps
             );
         }
     }

@@ -8,7 +8,7 @@ use vmpool::trace::Trace;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-use crate::replay::{replay, Replayed, Report, Schedule};
+use crate::replay::{replay, MappingOp, Replayed, Report, Schedule};
 
 /// How a trace replays on a vmpool pool.
 pub(crate) struct VmpoolRun<'a> {
@@ -19,6 +19,16 @@ pub(crate) struct VmpoolRun<'a> {
     /// Read where the slack lies each time the reserved bytes reach a new
     /// high (`--slack`): a snapshot, outside the timed calls.
     pub(crate) slack: bool,
+    /// List the allocations that mapped chunks (`--mapping-ops`), from the
+    /// pool's statistics after each, outside the timed calls.
+    pub(crate) mapping_ops: bool,
+}
+
+/// The allocations that mapped chunks so far, and the chunks mapped as
+/// of the last allocation.
+struct MappingLog {
+    maps: u64,
+    ops: Vec<MappingOp>,
 }
 
 /// The slack at the highest reserved bytes seen so far (`None` before
@@ -32,6 +42,8 @@ struct VmpoolReplay<B: Backend> {
     stream: Option<vmpool::Stream<B>>,
     /// `Some` with `--slack`.
     slack: Option<SlackAtPeak>,
+    /// `Some` with `--mapping-ops`.
+    mapping: Option<MappingLog>,
 }
 
 impl<B: Backend> Replayed for VmpoolReplay<B> {
@@ -50,9 +62,20 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
         Ok(())
     }
     fn samples(&self) -> bool {
-        self.slack.is_some()
+        self.slack.is_some() || self.mapping.is_some()
     }
-    fn sample(&mut self) -> Result<()> {
+    fn sample(&mut self, op: Option<u64>, size: u64) -> Result<()> {
+        if let Some(log) = &mut self.mapping {
+            let maps = self.pool.stats().maps;
+            if maps > log.maps {
+                log.ops.push(MappingOp {
+                    op,
+                    size,
+                    maps: maps - log.maps,
+                });
+                log.maps = maps;
+            }
+        }
         if let Some(peak) = &mut self.slack {
             let reserved = self.pool.attribute(PoolAttribute::ReservedMemCurrent);
             if reserved > peak.0.map_or(0, |s| s.reserved) {
@@ -93,6 +116,11 @@ pub(crate) fn replay_vmpool<B: Backend>(
         pool,
         stream: run.stream_ordered.then(|| stream.clone()),
         slack: run.slack.then_some(SlackAtPeak(None)),
+        // A new pool has mapped nothing.
+        mapping: run.mapping_ops.then(|| MappingLog {
+            maps: 0,
+            ops: Vec::new(),
+        }),
     };
     let mut measured = replay(&mut replayed, trace, schedule)?;
     let pool = &replayed.pool;
@@ -110,6 +138,7 @@ pub(crate) fn replay_vmpool<B: Backend>(
         unmaps: stats.unmaps,
         steps: pool.step_counters(),
         slack_at_peak: replayed.slack.and_then(|peak| peak.0),
+        mapping_ops: replayed.mapping.map(|log| log.ops),
         ..Report::measured(
             pool.attribute(PoolAttribute::ReservedMemHigh),
             measured,
@@ -185,7 +214,7 @@ impl Replayed for CudaMallocReplay {
     fn free(&mut self, a: Self::Allocation) -> Result<()> {
         Ok(self.malloc.free(a)?)
     }
-    fn sample(&mut self) -> Result<()> {
+    fn sample(&mut self, _op: Option<u64>, _size: u64) -> Result<()> {
         self.peak = self.peak.max(self.used()?);
         Ok(())
     }

@@ -31,6 +31,21 @@ pub(crate) struct Report {
     /// vmpool with `--slack`: where the reserved bytes not live lay when
     /// the pool's reserved bytes first reached their peak.
     pub(crate) slack_at_peak: Option<vmpool::Slack>,
+    /// vmpool with `--mapping-ops`: the allocations that mapped chunks.
+    pub(crate) mapping_ops: Option<Vec<MappingOp>>,
+}
+
+/// An allocation during which the pool mapped chunks (`--mapping-ops`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MappingOp {
+    /// The trace operation, counted from 0 over every pass; `None` for
+    /// the allocation `--hold` makes before the first pass.
+    pub(crate) op: Option<u64>,
+    /// The bytes it asked for.
+    pub(crate) size: u64,
+    /// Chunks mapped since the allocation before it: by its own growth,
+    /// and by a step layout made at a mark between the two.
+    pub(crate) maps: u64,
 }
 
 impl Report {
@@ -88,8 +103,10 @@ pub(crate) trait Replayed {
     fn samples(&self) -> bool {
         false
     }
-    /// Reads what the allocator holds, outside the timed calls.
-    fn sample(&mut self) -> Result<()> {
+    /// Reads what the allocator holds, outside the timed calls, after
+    /// the allocation of `size` bytes at trace operation `op` (counted
+    /// from 0 over every pass; `None`: the held allocation).
+    fn sample(&mut self, _op: Option<u64>, _size: u64) -> Result<()> {
         Ok(())
     }
     /// Checks at the end of each pass, before what is left live is freed.
@@ -167,6 +184,9 @@ pub(crate) fn replay<A: Replayed>(a: &mut A, trace: &Trace, schedule: &Schedule)
         Ok(())
     };
     let held = (hold > 0).then(|| a.alloc(hold)).transpose()?;
+    if held.is_some() && a.samples() {
+        a.sample(None, hold)?;
+    }
     for pass in 0..passes {
         if marks == Marks::EachPass {
             mark(a, &mut measured.step_maps)?;
@@ -182,7 +202,7 @@ pub(crate) fn replay<A: Replayed>(a: &mut A, trace: &Trace, schedule: &Schedule)
                     live[slot] = Some(a.alloc(size)?);
                     if a.samples() {
                         let sampled = Instant::now();
-                        a.sample()?;
+                        a.sample(Some((pass * trace.ops.len() + i) as u64), size)?;
                         sampling += sampled.elapsed();
                     }
                 }
