@@ -151,7 +151,7 @@ fn lay_out_within(
     let breadth = breadths(lifetimes, &live);
     // Order `k` in the order of `key`: its layout, or why it has none.
     let run = |k: usize, key: &dyn Fn(usize) -> (Reverse<u64>, Reverse<u64>, u32)| {
-        if race.at_floor.load(Relaxed) < k {
+        if !race.open(k, 0) {
             return (None, false);
         }
         let mut left = visits;
