@@ -179,6 +179,13 @@ pub struct Slack {
     pub free_in_shared_units: u64,
     /// How many units those are.
     pub shared_units: u64,
+    /// Of `free_in_shared_units`, the bytes of free ranges that reach the
+    /// start or the end of their mapped region (a run of adjacent units):
+    /// a region's ragged ends, where growth rounds a range up to whole
+    /// granules, rather than holes between live allocations.
+    pub free_at_region_ends: u64,
+    /// Mapped regions: runs of adjacent units.
+    pub regions: u64,
     /// Spare chunks ([`PoolStats::spare_bytes`]).
     pub spare: u64,
     /// Freed in stream order and not yet passed by the stream
@@ -201,20 +208,31 @@ impl PoolSnapshot {
         };
         // Units and free ranges are both in address order: one sweep.
         let mut first = 0;
-        for u in &self.units {
+        for (i, u) in self.units.iter().enumerate() {
             let end = u.va + u.size;
+            let starts_region = i == 0 || {
+                let prev = &self.units[i - 1];
+                prev.va + prev.size != u.va
+            };
+            let ends_region = self.units.get(i + 1).is_none_or(|next| next.va != end);
+            slack.regions += u64::from(starts_region);
             while self.free.get(first).is_some_and(|&(s, l)| s + l <= u.va) {
                 first += 1;
             }
-            let free: u64 = self.free[first..]
-                .iter()
-                .take_while(|&&(s, _)| s < end)
-                .map(|&(s, l)| (s + l).min(end) - s.max(u.va))
-                .sum();
+            let ranges = self.free[first..].iter().take_while(|&&(s, _)| s < end);
+            let (mut free, mut at_ends) = (0, 0);
+            for &(s, l) in ranges {
+                let here = (s + l).min(end) - s.max(u.va);
+                free += here;
+                if (starts_region && s <= u.va) || (ends_region && s + l >= end) {
+                    at_ends += here;
+                }
+            }
             if free == u.size {
                 slack.free_whole_units += free;
             } else if free > 0 {
                 slack.free_in_shared_units += free;
+                slack.free_at_region_ends += at_ends;
                 slack.shared_units += 1;
             }
         }

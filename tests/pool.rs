@@ -725,7 +725,8 @@ pub fn whole_regions_split_no_region<B: TestBackend>(b: &Arc<B>) {
 }
 
 /// `PoolSnapshot::slack`: a part-used unit's free bytes are shared ones,
-/// an empty unit's whole, and the parts add up to the reserved bytes.
+/// an empty unit's whole, and the parts add up to the reserved bytes; a
+/// free range that ends its region counts at the region's ends.
 pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
@@ -736,6 +737,7 @@ pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
             s.used + s.free_whole_units + s.free_in_shared_units + s.spare + s.pending + s.other,
             "{s:?}"
         );
+        assert!(s.free_at_region_ends <= s.free_in_shared_units, "{s:?}");
     };
     // One and a half granules: two units, the second half free.
     let a = pool.allocate(g + g / 2).unwrap();
@@ -748,6 +750,8 @@ pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
         (g / 2, 1),
         "{s:?}"
     );
+    // Those free bytes end the one mapped region.
+    assert_eq!((s.free_at_region_ends, s.regions), (g / 2, 1), "{s:?}");
     assert_eq!((s.free_whole_units, s.other), (0, 0), "{s:?}");
     // A granule more, then freed: its unit, or the units it spanned, free.
     let b2 = pool.allocate(2 * g).unwrap();
@@ -761,8 +765,13 @@ pub fn slack_says_where_the_reserved_bytes_lie<B: TestBackend>(b: &Arc<B>) {
     let s = pool.snapshot().slack();
     adds_up(s);
     assert_eq!(
-        (s.used, s.free_in_shared_units, s.shared_units),
-        (0, 0, 0),
+        (
+            s.used,
+            s.free_in_shared_units,
+            s.shared_units,
+            s.free_at_region_ends
+        ),
+        (0, 0, 0, 0),
         "{s:?}"
     );
     assert_eq!(s.free_whole_units + s.spare, s.reserved, "{s:?}");

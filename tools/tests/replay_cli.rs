@@ -304,6 +304,12 @@ fn slack_at_the_peak_adds_up() {
     );
     assert!(bytes("free_in_shared_units_bytes") > 0, "{slack}");
     assert!(bytes("shared_units") > 0, "{slack}");
+    // Part of them at the ends of the mapped regions, not all.
+    assert!(
+        (1..bytes("free_in_shared_units_bytes")).contains(&bytes("free_at_region_ends_bytes")),
+        "{slack}"
+    );
+    assert!(bytes("regions") > 0, "{slack}");
     assert_eq!(bytes("other_bytes"), 0, "{slack}");
     let (_, gan) = slack_of(&trace("gan_train_torch"));
     let idle = gan["other_bytes"].as_u64().unwrap();

@@ -138,9 +138,10 @@ struct Args {
     /// vmpool only: report where the reserved bytes that no live
     /// allocation holds lay when the pool's reserved bytes first reached
     /// their peak (`PoolSnapshot::slack`): in free units growth may move,
-    /// in free bytes of units that hold other bytes too, in spares,
-    /// pending frees, or otherwise (step regions' idle slots). A snapshot
-    /// at each new high, outside the timed calls.
+    /// in free bytes of units that hold other bytes too (and how many of
+    /// those end a mapped region), in spares, pending frees, or otherwise
+    /// (step regions' idle slots); and how many mapped regions there were.
+    /// A snapshot at each new high, outside the timed calls.
     #[arg(long)]
     slack: bool,
     /// vmpool only: list the allocations after which the pool had mapped
@@ -302,6 +303,8 @@ fn replay_main(args: &Args) -> Result<()> {
                     "free_whole_units_bytes": s.free_whole_units,
                     "free_in_shared_units_bytes": s.free_in_shared_units,
                     "shared_units": s.shared_units,
+                    "free_at_region_ends_bytes": s.free_at_region_ends,
+                    "regions": s.regions,
                     "spare_bytes": s.spare,
                     "pending_bytes": s.pending,
                     "other_bytes": s.other,
@@ -364,12 +367,14 @@ fn replay_main(args: &Args) -> Result<()> {
         if let Some(s) = report.slack_at_peak {
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             println!(
-                "slack at peak   {:>14.1} MiB reserved, {:.1} live; free {:.1} in whole units, {:.1} in {} units shared with other bytes; spare {:.1}, pending {:.1}, otherwise {:.1}",
+                "slack at peak   {:>14.1} MiB reserved, {:.1} live; free {:.1} in whole units, {:.1} in {} units shared with other bytes ({:.1} at the ends of the {} mapped regions); spare {:.1}, pending {:.1}, otherwise {:.1}",
                 mib(s.reserved),
                 mib(s.used),
                 mib(s.free_whole_units),
                 mib(s.free_in_shared_units),
                 s.shared_units,
+                mib(s.free_at_region_ends),
+                s.regions,
                 mib(s.spare),
                 mib(s.pending),
                 mib(s.other)
