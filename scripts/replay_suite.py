@@ -4,12 +4,12 @@ host backend and sums them up: the footprint of the first pass and of the
 last of several passes on one pool, and the estimated driver time.
 
 The set: training, the two reference traces (gpt2_train and resnet_train,
-in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), the twelve
-recorded under PyTorch (traces/*_train_torch*.trace.gz) and four variants
-of gpt2_train (scripts/trace_variants.py); generation, the recorded
+in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), those recorded
+under PyTorch (traces/*_train_torch*.trace.gz) and four variants of
+gpt2_train (scripts/trace_variants.py); generation, the recorded
 generation trace, four variants of it and the serving loop
 (traces/serve_loop_torch.trace.gz). Each is replayed synchronously and
-stream-ordered: 36 training replays and 12 generation ones.
+stream-ordered: 46 training replays and 12 generation ones today.
 
     cargo build --release -p vmpool-tools
     scripts/replay_suite.py [--passes 8] [--jobs 2] [-- VMPOOL-REPLAY OPTIONS]
