@@ -181,8 +181,9 @@ pub struct Slack {
     pub shared_units: u64,
     /// Of `free_in_shared_units`, the bytes of free ranges that reach the
     /// start or the end of their mapped region (a run of adjacent units):
-    /// a region's ragged ends, where growth rounds a range up to whole
-    /// granules, rather than holes between live allocations.
+    /// a region's ragged ends (a range rounded up to whole granules, or
+    /// units moved out beside it), rather than holes between live
+    /// allocations.
     pub free_at_region_ends: u64,
     /// Mapped regions: runs of adjacent units.
     pub regions: u64,
