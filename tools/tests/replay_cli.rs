@@ -7,12 +7,10 @@ use std::process::Command;
 /// pool, and the report covers every pass.
 #[test]
 fn passes_replay_the_trace_again_on_the_same_pool() {
-    let path = std::env::temp_dir().join(format!("vmpool-passes-{}.trace", std::process::id()));
-    std::fs::write(
-        &path,
+    let path = temp_trace(
+        "passes.trace",
         "a 1 3145728 1\na 2 40000000 1\nf 1 1\na 3 1000 1\nf 2 1\n",
-    )
-    .unwrap();
+    );
     let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
             .args(["--backend", "host", "--json"])
@@ -65,9 +63,8 @@ fn passes_replay_the_trace_again_on_the_same_pool() {
 /// 0 is refused, and `--va-size` sets the reservation.
 #[test]
 fn chunk_divisor_defaults_to_the_librarys_and_can_be_off() {
-    let path = std::env::temp_dir().join(format!("vmpool-divisor-{}.trace", std::process::id()));
     // 40 MB on an empty pool: 20 granules, or two 32 MiB chunks.
-    std::fs::write(&path, "a 1 40000000 1\nf 1 1\n").unwrap();
+    let path = temp_trace("divisor.trace", "a 1 40000000 1\nf 1 1\n");
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
             .args(["--backend", "host", "--json"])
@@ -203,6 +200,14 @@ fn replay(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// Writes `contents` to a file of this process's own in the temporary
+/// folder, `file` ending its name (the test removes it).
+fn temp_trace(file: &str, contents: impl AsRef<[u8]>) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("vmpool-{}-{file}", std::process::id()));
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
 /// [`replay`] with `--json` among `args`, which must succeed: its report.
 fn replay_json(args: &[&str]) -> serde_json::Value {
     let out = replay(args);
@@ -227,8 +232,7 @@ fn answers_its_version() {
 #[test]
 fn a_trace_without_allocations_is_an_error() {
     for (name, text) in [("empty", ""), ("comments", "# a header\n# peak_live 0\n")] {
-        let path = std::env::temp_dir().join(format!("vmpool-{name}-{}.trace", std::process::id()));
-        std::fs::write(&path, text).unwrap();
+        let path = temp_trace(&format!("{name}.trace"), text);
         let out = replay(&["--backend", "host", "--json", path.to_str().unwrap()]);
         std::fs::remove_file(&path).unwrap();
         assert!(!out.status.success());
@@ -250,9 +254,8 @@ fn a_trace_without_allocations_is_an_error() {
 /// A truncated gzip trace names its file and its cause once.
 #[test]
 fn a_truncated_trace_says_why_once() {
-    let path = std::env::temp_dir().join(format!("vmpool-cut-{}.trace.gz", std::process::id()));
     // A gzip header and the start of a deflate stream, then nothing.
-    std::fs::write(&path, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 0x4b]).unwrap();
+    let path = temp_trace("cut.trace.gz", [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 0x4b]);
     let out = replay(&["--backend", "host", path.to_str().unwrap()]);
     std::fs::remove_file(&path).unwrap();
     assert!(!out.status.success());
@@ -338,12 +341,10 @@ fn slack_at_the_peak_adds_up() {
 /// the list, and asking for it moves no figure.
 #[test]
 fn mapping_ops_add_up_to_the_maps() {
-    let path = std::env::temp_dir().join(format!("vmpool-mapping-{}.trace", std::process::id()));
-    std::fs::write(
-        &path,
+    let path = temp_trace(
+        "mapping.trace",
         "a 1 3145728 1\na 2 40000000 1\nf 1 1\na 3 1000 1\na 4 2000 1\nf 2 1\n",
-    )
-    .unwrap();
+    );
     let trace = path.to_str().unwrap();
     let ops_of = |report: &serde_json::Value| -> Vec<(Option<u64>, u64, u64)> {
         report["mapping_ops"]
