@@ -232,10 +232,11 @@ impl<B: Backend> Inner<B> {
         self.raise_high();
     }
 
-    /// Counts `bytes` of step layouts' regions, idle until now, as freed.
-    /// After their frees, so that the program's bytes are never
-    /// overstated; the planned frees settled first, so that every idle
-    /// byte is counted.
+    /// Counts `bytes` of step layouts' regions, idle until now, as freed:
+    /// after their frees, under the same hold of this lock, so that the
+    /// program's bytes are never misstated (Note [Step layouts]); the
+    /// frees' credit and the planned frees settled first, so that every
+    /// idle byte is counted.
     pub(super) fn release_idle(&mut self, bytes: u64) {
         self.settle();
         self.usage.idle -= bytes;
@@ -292,6 +293,19 @@ impl<B: Backend> Inner<B> {
     pub(super) fn held_bytes(&self) -> u64 {
         let planned = self.usage.planned_frees.load(Ordering::Acquire);
         (self.usage.used - self.usage.idle).saturating_sub(planned)
+    }
+
+    /// Frees a block in stream order on `stream`, as
+    /// [`super::Pool::free_async`] does, under this lock: its credit is
+    /// settled with this lock's next count.
+    pub(super) fn free_in_order(
+        &mut self,
+        pending: impl Fn(u64) -> Pending,
+        stream: &Arc<StreamShared<B>>,
+    ) {
+        while !stream.push_free(self.pool, &pending) {
+            self.streams.register(stream);
+        }
     }
 
     pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {

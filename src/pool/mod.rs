@@ -340,13 +340,7 @@ impl<B: Backend> Pool<B> {
         if self.0.stepping.load(Ordering::Acquire) && self.free_stepping(allocation, Some(stream)) {
             return;
         }
-        let pending = |seq| Pending {
-            arena: allocation.arena,
-            block: allocation.block,
-            ptr: allocation.ptr.0,
-            size: allocation.block_size,
-            seq,
-        };
+        let pending = pending_free(allocation);
         // The first pending free of this stream here registers it with the
         // pool (whose lock comes first), then goes again.
         while !stream.0.push_free(self.0.id, pending) {
@@ -680,5 +674,16 @@ impl<B: Backend> Drop for Shared<B> {
                 tracing::warn!(%err, "writing the allocation trace failed");
             }
         }
+    }
+}
+
+/// The pending free of `allocation`, at the stream position it is given.
+fn pending_free(allocation: &Allocation) -> impl Fn(u64) -> Pending + Copy + '_ {
+    |seq| Pending {
+        arena: allocation.arena,
+        block: allocation.block,
+        ptr: allocation.ptr.0,
+        size: allocation.block_size,
+        seq,
     }
 }

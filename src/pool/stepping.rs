@@ -17,7 +17,7 @@ use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::{Error, Result};
 
-use super::{Pool, Purpose};
+use super::{pending_free, Pool, Purpose};
 
 /// The layouts and the stream they serve.
 pub(super) struct Stepping<B: Backend> {
@@ -315,11 +315,19 @@ impl<B: Backend> Pool<B> {
         let Some((parts, stream)) = given_up else {
             return;
         };
-        for part in &parts {
-            self.release_on(part, stream.as_ref());
-        }
         let freed: u64 = parts.iter().map(|p| p.block_size).sum();
-        self.lock().release_idle(freed);
+        tracing::trace!(pool = self.0.id, parts = parts.len(), freed, "region freed");
+        // Freed, and their bytes taken from idle, under one hold of the
+        // pool's lock: a count another thread made in between would find
+        // more idle bytes than used ones (Note [Step layouts]).
+        let mut inner = self.lock();
+        for part in &parts {
+            match &stream {
+                Some(s) => inner.free_in_order(pending_free(part), &s.0),
+                None => inner.free(part.arena, part.block, part.block_size),
+            }
+        }
+        inner.release_idle(freed);
     }
 
     /// Frees `part` in stream order on `stream`, or at once (`None`).
