@@ -204,6 +204,12 @@ impl<B: Backend> Inner<B> {
     pub(super) fn settle(&mut self) {
         self.usage.used -= self.streams.settle();
         self.usage.idle += self.usage.planned_frees.swap(0, Ordering::Acquire);
+        debug_assert!(
+            self.usage.idle <= self.usage.used,
+            "more idle bytes ({}) than used ones ({})",
+            self.usage.idle,
+            self.usage.used
+        );
     }
 
     /// Bytes the program holds: [`Inner::live_bytes`] less the idle bytes
@@ -233,10 +239,10 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Counts `bytes` of step layouts' regions, idle until now, as freed:
-    /// after their frees, under the same hold of this lock, so that the
-    /// program's bytes are never misstated (Note [Step layouts]); the
-    /// frees' credit and the planned frees settled first, so that every
-    /// idle byte is counted.
+    /// just before their frees, under the same hold of this lock, so that
+    /// no other count finds the program's bytes misstated (Note [Step
+    /// layouts]); the planned frees settled first, so that every idle
+    /// byte is counted.
     pub(super) fn release_idle(&mut self, bytes: u64) {
         self.settle();
         self.usage.idle -= bytes;

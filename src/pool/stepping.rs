@@ -317,17 +317,17 @@ impl<B: Backend> Pool<B> {
         };
         let freed: u64 = parts.iter().map(|p| p.block_size).sum();
         tracing::trace!(pool = self.0.id, parts = parts.len(), freed, "region freed");
-        // Freed, and their bytes taken from idle, under one hold of the
-        // pool's lock: a count another thread made in between would find
-        // more idle bytes than used ones (Note [Step layouts]).
+        // Their bytes taken from idle, and the parts freed, under one hold
+        // of the pool's lock: a count another thread made in between would
+        // find more idle bytes than used ones (Note [Step layouts]).
         let mut inner = self.lock();
+        inner.release_idle(freed);
         for part in &parts {
             match &stream {
                 Some(s) => inner.free_in_order(pending_free(part), &s.0),
                 None => inner.free(part.arena, part.block, part.block_size),
             }
         }
-        inner.release_idle(freed);
     }
 
     /// Frees `part` in stream order on `stream`, or at once (`None`).
