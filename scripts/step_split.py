@@ -10,9 +10,10 @@ not come together:
 
 prints, for step K (by default the third from the last: a step in the
 steady state), the peak of its own allocations, the peak of the rest
-(and what the rest held at the mark), their sum, the peak of both
-together, and the sum over that peak: what a perfect layout beside a
-perfect heap would cost over the trace's footprint floor.
+(and what the rest held at the mark, and of that what the step before
+made and this one frees: carried across the mark), their sum, the peak
+of both together, and the sum over that peak: what a perfect layout
+beside a perfect heap would cost over the trace's footprint floor.
 
     python3 scripts/step_split.py TRACE --shift N
     python3 scripts/step_split.py TRACE --best-shifts 5
@@ -42,13 +43,15 @@ def operations(path: str) -> Iterator[list[str]]:
 
 class Split(NamedTuple):
     """The peaks of one window of operations, in bytes: of the allocations
-    made and freed within it, of the rest, and of both together; and what
-    the rest held as the window opened."""
+    made and freed within it, of the rest, and of both together; what the
+    rest held as the window opened, and of that what the window before (as
+    long) made and this one frees."""
 
     own: int
     rest: int
     both: int
     at_start: int
+    carried: int
 
     @property
     def cost(self) -> float:
@@ -58,7 +61,10 @@ class Split(NamedTuple):
 def split(ops: list[list[str]], lo: int, hi: int, made: dict, freed: dict, size: dict) -> Split:
     """The split of the window `ops[lo:hi]`; `made` and `freed` give each
     allocation's operation index (freed: absent if never)."""
-    rest = sum(size[a] for a, at in made.items() if at < lo and freed.get(a, len(ops)) > lo)
+    live_at_start = [a for a, at in made.items() if at < lo and freed.get(a, len(ops)) > lo]
+    rest = sum(size[a] for a in live_at_start)
+    before = lo - (hi - lo)
+    carried = sum(size[a] for a in live_at_start if made[a] >= before and freed.get(a, len(ops)) < hi)
     own, own_peak, rest_peak, both_peak = 0, 0, rest, rest
     at_start = rest
     for i in range(lo, hi):
@@ -73,7 +79,7 @@ def split(ops: list[list[str]], lo: int, hi: int, made: dict, freed: dict, size:
         else:
             rest += delta
         own_peak, rest_peak, both_peak = max(own_peak, own), max(rest_peak, rest), max(both_peak, own + rest)
-    return Split(own_peak, rest_peak, both_peak, at_start)
+    return Split(own_peak, rest_peak, both_peak, at_start, carried)
 
 
 def main() -> None:
@@ -114,7 +120,8 @@ def main() -> None:
         print(
             f"{args.trace}: step {k} of {steps}, marks {shift} operations later: "
             f"its own allocations' peak {s.own / MIB:.1f} MiB, "
-            f"the rest's {s.rest / MIB:.1f} (at the mark {s.at_start / MIB:.1f}), "
+            f"the rest's {s.rest / MIB:.1f} (at the mark {s.at_start / MIB:.1f}, "
+            f"{s.carried / MIB:.1f} of it carried across), "
             f"sum {(s.own + s.rest) / MIB:.1f}, both together {s.both / MIB:.1f}: {s.cost:.4f}"
         )
 
