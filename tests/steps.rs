@@ -636,6 +636,32 @@ pub fn a_trim_gives_an_idle_layout_back<B: TestBackend>(b: &Arc<B>) {
     finish(&ctx, &pool, &s);
 }
 
+/// A region given up goes back to the heap in its stream's order, its
+/// bytes counted out of the used ones by the pool's lock: they were never
+/// the program's, so they lend the stream's hot path no credit. With
+/// credit, the next allocation of the region's size took the pending
+/// region on the hot path, and the program held more than the high-water
+/// mark said.
+pub fn a_region_given_up_lends_its_stream_no_credit<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    pool.mark_step().unwrap();
+    marked_steps(b.as_ref(), &pool, &s, 2, 3);
+    let region = pool.step_counters().region_bytes;
+    assert!(region > 0);
+    // The high-water mark reset to what the program holds (nothing). The
+    // next step's first allocation outgrows its slot: the layout ends,
+    // its region freed in stream order, and the allocation, of the
+    // region's size, could take it on the hot path.
+    pool.set_attribute(PoolAttribute::UsedMemHigh, 0).unwrap();
+    let a = pool.allocate_async(region, &s).unwrap();
+    assert_eq!(pool.step_counters().region_bytes, 0);
+    let used = pool.attribute(PoolAttribute::UsedMemCurrent);
+    assert_eq!(used, region.next_multiple_of(256));
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemHigh), used);
+    pool.free_async(a, &s).unwrap();
+    finish(&ctx, &pool, &s);
+}
+
 pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -859,6 +885,7 @@ suites!(
     steps_that_free_nothing_within_are_not_laid_out,
     a_step_that_goes_another_way_gives_its_region_back,
     a_trim_gives_an_idle_layout_back,
+    a_region_given_up_lends_its_stream_no_credit,
     a_quiet_stream_hands_the_layout_on,
     a_region_given_up_around_live_allocations_goes_back_at_once,
     a_step_that_does_more_at_its_end_keeps_its_layout,

@@ -54,14 +54,29 @@ pub(crate) struct PoolFrees {
     pub(crate) reuses: u64,
 }
 
+/// Who counts a pending free's bytes out of the pool's used bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counted {
+    /// The pool, when it next settles the stream's credit: a free on the
+    /// hot path, which takes no pool lock (Note [Usage credit]).
+    Later,
+    /// The pool's lock, already: a free it makes itself (a step layout's
+    /// region given up), whose bytes were never the program's, so that
+    /// the hot path must not spend them as the program's frees.
+    Already,
+}
+
 impl PoolFrees {
-    /// A free on the hot path.
+    /// A free: its block pending at its position, its bytes the stream's
+    /// credit unless the pool has counted them already.
     #[inline]
-    pub(crate) fn push(&mut self, p: Pending) {
+    pub(crate) fn push(&mut self, p: Pending, counted: Counted) {
         self.last_free = p.seq;
         self.bytes += p.size;
-        self.credit += p.size;
-        self.credit_high = self.credit_high.max(self.credit);
+        if counted == Counted::Later {
+            self.credit += p.size;
+            self.credit_high = self.credit_high.max(self.credit);
+        }
         self.frees += 1;
         if let Some(older) = self.latest.replace(p) {
             self.older.push(older);
@@ -218,13 +233,16 @@ mod tests {
         let mut f = PoolFrees::default();
         for (i, &(size, seq)) in blocks.iter().enumerate() {
             let block = heap.insert_free(i as u64 * 1024, 512);
-            f.push(Pending {
-                arena: ArenaId::Small,
-                block,
-                ptr: i as u64 * 1024,
-                size,
-                seq,
-            });
+            f.push(
+                Pending {
+                    arena: ArenaId::Small,
+                    block,
+                    ptr: i as u64 * 1024,
+                    size,
+                    seq,
+                },
+                Counted::Later,
+            );
         }
         f
     }
@@ -265,12 +283,29 @@ mod tests {
         // had freed 768 bytes net at most, though 384 now.
         let mut f = frees(&[(256, 1), (512, 2)]);
         let reused = f.reuse(512, u64::MAX).expect("pending");
-        f.push(Pending {
-            size: 128,
-            seq: 3,
-            ..reused
-        });
+        f.push(
+            Pending {
+                size: 128,
+                seq: 3,
+                ..reused
+            },
+            Counted::Later,
+        );
         assert_eq!((f.credit, f.credit_high), (384, 768));
+    }
+
+    #[test]
+    fn a_free_the_pool_counted_gives_no_credit() {
+        let mut f = frees(&[(256, 1)]);
+        let pending = f.take(256, u64::MAX).expect("pending");
+        f.push(pending, Counted::Already);
+        assert_eq!((f.credit, f.credit_high, f.bytes), (256, 256, 256));
+        // The hot path spends the program's 256 bytes freed, once.
+        assert!(f.reuse(256, u64::MAX).is_some());
+        assert_eq!(f.credit, 0);
+        f.push(pending, Counted::Already);
+        assert!(f.reuse(256, u64::MAX).is_none());
+        assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(pending.seq));
     }
 
     #[test]

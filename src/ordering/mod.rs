@@ -18,7 +18,7 @@ mod guards;
 mod stream;
 mod streams;
 
-pub(crate) use frees::Pending;
+pub(crate) use frees::{Counted, Pending};
 pub(crate) use guards::{Guard, Guards, StreamPos};
 pub(crate) use stream::StreamShared;
 pub use stream::{Event, Stream};

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use rustc_hash::FxHashMap;
 use vmm::{Backend, DeviceId};
 
-use super::frees::{ByPool, Pending};
+use super::frees::{ByPool, Counted, Pending};
 use crate::sync::lock;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -85,18 +85,23 @@ impl<B: Backend> StreamShared<B> {
         self.state().pending.get_mut(&pool)?.reuse(size, held)
     }
 
-    /// The hot path's free: the block goes to this stream's pending frees
-    /// in `pool`, at the stream's next position. `false` when the stream
-    /// is not registered with the pool yet: the position is spent, the
-    /// block not taken.
+    /// A stream-ordered free: the block goes to this stream's pending
+    /// frees in `pool`, at the stream's next position, its bytes counted
+    /// as `counted` says. `false` when the stream is not registered with
+    /// the pool yet: the position is spent, the block not taken.
     #[inline]
-    pub(crate) fn push_free(&self, pool: u64, block: impl FnOnce(u64) -> Pending) -> bool {
+    pub(crate) fn push_free(
+        &self,
+        pool: u64,
+        block: impl FnOnce(u64) -> Pending,
+        counted: Counted,
+    ) -> bool {
         let mut st = self.state();
         st.seq += 1;
         let seq = st.seq;
         match st.pending.get_mut(&pool) {
             Some(frees) => {
-                frees.push(block(seq));
+                frees.push(block(seq), counted);
                 true
             }
             None => false,

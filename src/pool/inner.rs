@@ -9,7 +9,7 @@ use vmm::{Backend, ErrorKind};
 use crate::arena::{ArenaId, Arenas};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
-use crate::ordering::{Guard, Guards, Pending, StreamPos, StreamShared, Streams};
+use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
 use crate::props::{Defragment, FreshStart};
 use crate::space::Space;
 use crate::{Error, Result};
@@ -301,17 +301,21 @@ impl<B: Backend> Inner<B> {
         (self.usage.used - self.usage.idle).saturating_sub(planned)
     }
 
-    /// Frees a block in stream order on `stream`, as
-    /// [`super::Pool::free_async`] does, under this lock: its credit is
-    /// settled with this lock's next count.
+    /// Frees `size` bytes in stream order on `stream`, as
+    /// [`super::Pool::free_async`] does, counted out of the used bytes
+    /// here: no credit that the stream's hot path could spend as the
+    /// program's freed bytes, raising what it holds past the high-water
+    /// mark unseen.
     pub(super) fn free_in_order(
         &mut self,
         pending: impl Fn(u64) -> Pending,
+        size: u64,
         stream: &Arc<StreamShared<B>>,
     ) {
-        while !stream.push_free(self.pool, &pending) {
+        while !stream.push_free(self.pool, &pending, Counted::Already) {
             self.streams.register(stream);
         }
+        self.usage.used -= size;
     }
 
     pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {

@@ -38,7 +38,7 @@ use crate::arena::{Arena, Arenas, ChunkPolicy};
 use crate::capture::Captures;
 use crate::exports::Exports;
 use crate::heap::{Heap, QUANTUM};
-use crate::ordering::{Pending, Stream, StreamPos, StreamShared, Streams};
+use crate::ordering::{Counted, Pending, Stream, StreamPos, StreamShared, Streams};
 use crate::props::{HandleType, PoolProps, DEFAULT_CHUNK_SIZE};
 use crate::space::{Space, SpaceProps};
 use crate::stats::{PoolSnapshot, PoolStats};
@@ -343,7 +343,7 @@ impl<B: Backend> Pool<B> {
         let pending = pending_free(allocation);
         // The first pending free of this stream here registers it with the
         // pool (whose lock comes first), then goes again.
-        while !stream.0.push_free(self.0.id, pending) {
+        while !stream.0.push_free(self.0.id, pending, Counted::Later) {
             self.register(&stream.0);
         }
     }

@@ -324,7 +324,7 @@ impl<B: Backend> Pool<B> {
         inner.release_idle(freed);
         for part in &parts {
             match &stream {
-                Some(s) => inner.free_in_order(pending_free(part), &s.0),
+                Some(s) => inner.free_in_order(pending_free(part), part.block_size, &s.0),
                 None => inner.free(part.arena, part.block, part.block_size),
             }
         }
