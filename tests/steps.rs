@@ -896,6 +896,18 @@ suites!(
     a_layout_the_pool_cannot_afford_is_given_up,
 );
 
+/// How the model test's program calls the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ModelCalls {
+    /// In stream order, marking its steps.
+    Marked,
+    /// Synchronously, marking its steps.
+    Synchronous,
+    /// In stream order, marking none: the pool marks a step where the
+    /// program empties it (Note [Steps at emptying]).
+    Unmarked,
+}
+
 /// How the model test's program ends a step.
 #[derive(Debug, Clone, Copy)]
 enum ModelMark {
@@ -969,6 +981,7 @@ struct ModelProgram<'p, B: TestBackend> {
     ctx: &'p Context<B>,
     s: &'p Stream<B>,
     other: &'p Stream<B>,
+    calls: ModelCalls,
     /// Start -> end of every live allocation.
     live: std::collections::BTreeMap<u64, u64>,
     holds: u64,
@@ -993,7 +1006,11 @@ impl<B: TestBackend> ModelProgram<'_, B> {
     }
 
     fn allocate(&mut self, size: u64) -> Result<(Allocation, u32), TestCaseError> {
-        let a = self.pool.allocate_async(size, self.s).unwrap();
+        let a = if self.calls == ModelCalls::Synchronous {
+            self.pool.allocate(size).unwrap()
+        } else {
+            self.pool.allocate_async(size, self.s).unwrap()
+        };
         let (at, end) = (a.ptr().0, a.ptr().0 + a.size());
         let before = self.live.range(..=at).next_back();
         prop_assert!(
@@ -1013,12 +1030,15 @@ impl<B: TestBackend> ModelProgram<'_, B> {
     }
 
     /// Checks the allocation's ends, then frees it on the program's
-    /// stream, or (`away`) on the other stream behind an event.
+    /// stream, or (`away`) on the other stream behind an event; at once
+    /// if the program's calls are synchronous.
     fn free(&mut self, (a, word): (Allocation, u32), away: bool) {
         check_ends(self.b, self.s, &a, word);
         self.live.remove(&a.ptr().0);
         self.holds -= a.size().next_multiple_of(256);
-        if away {
+        if self.calls == ModelCalls::Synchronous {
+            self.pool.free(a).unwrap();
+        } else if away {
             self.freed_away = true;
             let e = self.ctx.create_event(DEV).unwrap();
             self.ctx.record_event(&e, self.s).unwrap();
@@ -1033,16 +1053,24 @@ impl<B: TestBackend> ModelProgram<'_, B> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
-    /// Runs of steps drawn from three templates, at random scales, marked
-    /// now or at the next allocation, some holding an allocation past
-    /// their end or into the next step, leaving one out, freeing one on
-    /// another stream or trimming the pool: no allocation ever overlaps a
-    /// live one, each keeps the words written at its ends until its free,
-    /// the pool's tables stay consistent, and its used bytes are what the
-    /// program holds, and at their most what it held (or a little more, as
-    /// [`ModelProgram::counts`] says).
+    /// Runs of steps drawn from three templates, at random scales, called
+    /// in stream order or synchronously, marked now or at the next
+    /// allocation or (unmarked) where the pool empties, some holding an
+    /// allocation past their end or into the next step, leaving one out,
+    /// freeing one on another stream or trimming the pool: no allocation
+    /// ever overlaps a live one, each keeps the words written at its ends
+    /// until its free, the pool's tables stay consistent, and its used
+    /// bytes are what the program holds, and at their most what it held
+    /// (or a little more, as [`ModelProgram::counts`] says).
     #[test]
-    fn model(runs in prop::collection::vec(model_run(), 1..6)) {
+    fn model(
+        runs in prop::collection::vec(model_run(), 1..6),
+        calls in prop_oneof![
+            2 => Just(ModelCalls::Marked),
+            1 => Just(ModelCalls::Synchronous),
+            1 => Just(ModelCalls::Unmarked),
+        ],
+    ) {
         let b = common::host();
         let ctx = Context::new(Arc::clone(&b)).unwrap();
         let pool = pool(&ctx);
@@ -1059,6 +1087,7 @@ proptest! {
             ctx: &ctx,
             s: &s,
             other: &other,
+            calls,
             live: std::collections::BTreeMap::new(),
             holds: 0,
             most: 0,
@@ -1067,7 +1096,10 @@ proptest! {
         };
         let mut held = Vec::new();
         let mut carried: Vec<(Allocation, u32)> = Vec::new();
-        pool.mark_step().unwrap();
+        let marks = calls != ModelCalls::Unmarked;
+        if marks {
+            pool.mark_step().unwrap();
+        }
         for st in runs.iter().flatten() {
             let mut made: Vec<(usize, (Allocation, u32))> = Vec::new();
             for (i, &size) in templates[st.template].iter().enumerate() {
@@ -1103,6 +1135,7 @@ proptest! {
                 }
             }
             match st.mark {
+                _ if !marks => {}
                 ModelMark::Now => pool.mark_step().unwrap(),
                 ModelMark::AtTheNextAllocation => pool.mark_step_at_next_allocation(),
             }
