@@ -12,7 +12,7 @@ use crate::heap::BlockId;
 use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
 use crate::props::{Defragment, FreshStart};
 use crate::space::Space;
-use crate::{Error, Result};
+use crate::{Allocation, Error, Result};
 
 use super::sleep::{Retention, Slumber};
 
@@ -301,21 +301,17 @@ impl<B: Backend> Inner<B> {
         (self.usage.used - self.usage.idle).saturating_sub(planned)
     }
 
-    /// Frees `size` bytes in stream order on `stream`, as
-    /// [`super::Pool::free_async`] does, counted out of the used bytes
-    /// here: no credit that the stream's hot path could spend as the
+    /// Frees `allocation` in stream order on `stream`, as
+    /// [`super::Pool::free_async`] does, its bytes counted out of the used
+    /// ones here: no credit that the stream's hot path could spend as the
     /// program's freed bytes, raising what it holds past the high-water
     /// mark unseen.
-    pub(super) fn free_in_order(
-        &mut self,
-        pending: impl Fn(u64) -> Pending,
-        size: u64,
-        stream: &Arc<StreamShared<B>>,
-    ) {
-        while !stream.push_free(self.pool, &pending, Counted::Already) {
+    pub(super) fn free_in_order(&mut self, allocation: &Allocation, stream: &Arc<StreamShared<B>>) {
+        let pending = super::pending_free(allocation);
+        while !stream.push_free(self.pool, pending, Counted::Already) {
             self.streams.register(stream);
         }
-        self.usage.used -= size;
+        self.usage.used -= allocation.block_size;
     }
 
     pub(super) fn free(&mut self, arena: ArenaId, block: BlockId, size: u64) {

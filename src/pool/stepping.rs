@@ -17,7 +17,7 @@ use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::{Error, Result};
 
-use super::{pending_free, Pool, Purpose};
+use super::{Pool, Purpose};
 
 /// The layouts and the stream they serve.
 pub(super) struct Stepping<B: Backend> {
@@ -324,7 +324,7 @@ impl<B: Backend> Pool<B> {
         inner.release_idle(freed);
         for part in &parts {
             match &stream {
-                Some(s) => inner.free_in_order(pending_free(part), part.block_size, &s.0),
+                Some(s) => inner.free_in_order(part, &s.0),
                 None => inner.free(part.arena, part.block, part.block_size),
             }
         }
