@@ -10,7 +10,8 @@ use proptest::prelude::*;
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
 use vmpool::{
-    Allocation, Context, Defragment, Error, Pool, PoolAttribute, PoolProps, SleepLevel, Stream,
+    Allocation, Context, Defragment, Error, Pool, PoolAttribute, PoolProps, Retention, SleepLevel,
+    Stream,
 };
 
 #[allow(dead_code)]
@@ -45,7 +46,12 @@ fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
 }
 
 fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
-    for at in [a.ptr().0, a.ptr().0 + a.size() / 4 * 4 - 4] {
+    check_span_ends(b, s, a.ptr().0, a.size(), word);
+}
+
+/// [`check_ends`] of the `size` bytes at `ptr`.
+fn check_span_ends<B: TestBackend>(b: &B, s: &Stream<B>, ptr: u64, size: u64, word: u32) {
+    for at in [ptr, ptr + size / 4 * 4 - 4] {
         let mut bytes = [0u8; 4];
         b.copy_to_host(s.raw(), vmpool::vmm::DevicePtr(at), &mut bytes)
             .unwrap();
@@ -936,6 +942,8 @@ struct ModelStep {
     away: Option<usize>,
     /// The pool is trimmed to nothing after the n-th allocation.
     trim: Option<usize>,
+    /// The pool sleeps, keeping its bytes, and wakes after the mark.
+    sleep: bool,
 }
 
 /// A run of steps alike, so that layouts are made, each step sometimes
@@ -952,13 +960,14 @@ fn model_run() -> impl Strategy<Value = Vec<ModelStep>> {
                 odd(),
                 odd(),
                 prop::option::weighted(0.05, 0..12usize),
+                prop::bool::weighted(0.05),
             ),
             len,
         )
         .prop_map(move |steps| {
             steps
                 .into_iter()
-                .map(|(mark, hold, carry, skip, away, trim)| ModelStep {
+                .map(|(mark, hold, carry, skip, away, trim, sleep)| ModelStep {
                     template,
                     scale,
                     mark,
@@ -967,6 +976,7 @@ fn model_run() -> impl Strategy<Value = Vec<ModelStep>> {
                     skip,
                     away,
                     trim,
+                    sleep,
                 })
                 .collect()
         })
@@ -982,8 +992,8 @@ struct ModelProgram<'p, B: TestBackend> {
     s: &'p Stream<B>,
     other: &'p Stream<B>,
     calls: ModelCalls,
-    /// Start -> end of every live allocation.
-    live: std::collections::BTreeMap<u64, u64>,
+    /// Start -> end, and the word at its ends, of every live allocation.
+    live: std::collections::BTreeMap<u64, (u64, u32)>,
     holds: u64,
     most: u64,
     next_word: u32,
@@ -1014,19 +1024,29 @@ impl<B: TestBackend> ModelProgram<'_, B> {
         let (at, end) = (a.ptr().0, a.ptr().0 + a.size());
         let before = self.live.range(..=at).next_back();
         prop_assert!(
-            before.is_none_or(|(_, &e)| e <= at),
+            before.is_none_or(|(_, &(e, _))| e <= at),
             "{at:#x} overlaps a live allocation"
         );
         prop_assert!(
             self.live.range(at..end).next().is_none(),
             "{at:#x} overlaps a live allocation"
         );
-        self.live.insert(at, end);
+        self.next_word += 1;
+        self.live.insert(at, (end, self.next_word));
         self.holds += a.size().next_multiple_of(256);
         self.most = self.most.max(self.holds);
-        self.next_word += 1;
         mark_ends(self.b, self.s, &a, self.next_word);
         Ok((a, self.next_word))
+    }
+
+    /// Sleeps the pool, keeping its bytes, and wakes it: every live
+    /// allocation keeps the words at its ends.
+    fn sleep_and_wake(&self) {
+        self.pool.sleep(SleepLevel::KeepTagged, self.s).unwrap();
+        self.pool.wake(self.s).unwrap();
+        for (&at, &(end, word)) in &self.live {
+            check_span_ends(self.b, self.s, at, end - at, word);
+        }
     }
 
     /// Checks the allocation's ends, then frees it on the program's
@@ -1057,7 +1077,8 @@ proptest! {
     /// in stream order or synchronously, marked now or at the next
     /// allocation or (unmarked) where the pool empties, some holding an
     /// allocation past their end or into the next step, leaving one out,
-    /// freeing one on another stream or trimming the pool: no allocation
+    /// freeing one on another stream, trimming the pool or sleeping it
+    /// (keeping its bytes) between steps: no allocation
     /// ever overlaps a live one, each keeps the words written at its ends
     /// until its free, the pool's tables stay consistent, and its used
     /// bytes are what the program holds, and at their most what it held
@@ -1074,6 +1095,7 @@ proptest! {
         let b = common::host();
         let ctx = Context::new(Arc::clone(&b)).unwrap();
         let pool = pool(&ctx);
+        pool.set_retention(Retention::Keep);
         let s = ctx.create_stream(DEV).unwrap();
         let other = ctx.create_stream(DEV).unwrap();
         let templates: [&[u64]; 3] = [
@@ -1141,6 +1163,9 @@ proptest! {
             }
             let used = pool.attribute(PoolAttribute::UsedMemCurrent);
             prop_assert!(p.counts(used, p.holds), "{used} bytes used, {} held", p.holds);
+            if st.sleep {
+                p.sleep_and_wake();
+            }
         }
         for a in held.into_iter().chain(carried) {
             p.free(a, false);
