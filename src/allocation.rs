@@ -30,6 +30,22 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// A second handle to the same allocation, for the pool's own
+    /// bookkeeping only: one of the two is freed, never both.
+    pub(crate) fn duplicate(&self) -> Self {
+        Self {
+            ptr: self.ptr,
+            size: self.size,
+            block_size: self.block_size,
+            arena: self.arena,
+            block: self.block,
+            pool: self.pool,
+            trace_id: self.trace_id,
+            step: self.step,
+            device: self.device,
+        }
+    }
+
     /// The allocation's device address (256-byte aligned); it never moves.
     pub fn ptr(&self) -> DevicePtr {
         self.ptr

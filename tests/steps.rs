@@ -668,6 +668,37 @@ pub fn a_region_given_up_lends_its_stream_no_credit<B: TestBackend>(b: &Arc<B>) 
     finish(&ctx, &pool, &s);
 }
 
+/// A planned allocation freed on another stream while a graph capture is
+/// under way, when that stream cannot be waited for, keeps its slot until
+/// the capture is over; the next mark waits and frees it. Kept for good
+/// before, its bytes stayed used and its slot taken.
+pub fn a_planned_free_during_a_capture_is_carried_out_after_it<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    let other = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    marked_steps(b.as_ref(), &pool, &s, 1, 3);
+    let planned = pool.step_counters().planned;
+    let a = pool.allocate_async(MIB, &s).unwrap();
+    assert_eq!(pool.step_counters().planned, planned + 1);
+    let capture = ctx.graph_capture();
+    let e = ctx.create_event(DEV).unwrap();
+    ctx.record_event(&e, &s).unwrap();
+    ctx.stream_wait_event(&other, &e).unwrap();
+    pool.free_async(a, &other).unwrap();
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), MIB);
+    drop(capture);
+    pool.mark_step().unwrap();
+    assert_eq!(pool.attribute(PoolAttribute::UsedMemCurrent), 0);
+    // Nothing is left of it: the layout, idle, goes with a trim, and its
+    // memory with the next once the streams have passed the frees.
+    pool.trim_to(0).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    finish(&ctx, &pool, &s);
+}
+
 pub fn a_quiet_stream_hands_the_layout_on<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = pool(&ctx);
@@ -892,6 +923,7 @@ suites!(
     a_step_that_goes_another_way_gives_its_region_back,
     a_trim_gives_an_idle_layout_back,
     a_region_given_up_lends_its_stream_no_credit,
+    a_planned_free_during_a_capture_is_carried_out_after_it,
     a_quiet_stream_hands_the_layout_on,
     a_region_given_up_around_live_allocations_goes_back_at_once,
     a_step_that_does_more_at_its_end_keeps_its_layout,

@@ -32,6 +32,12 @@ pub(super) struct Stepping<B: Backend> {
     /// The pool's count of planned bytes freed, idle again, that its lock
     /// has not yet counted (`Usage::planned_frees`).
     planned_frees: Arc<AtomicU64>,
+    /// Planned allocations freed on another stream than the layout's
+    /// while a graph capture was under way, when that stream could not be
+    /// waited for: freed at the pool's next free in a marked step, mark,
+    /// request for one or trim, with no capture under way
+    /// ([`take_deferred`]). Until then their bytes count as used.
+    deferred: Vec<(Allocation, Stream<B>)>,
 }
 
 impl<B: Backend> Stepping<B> {
@@ -42,6 +48,7 @@ impl<B: Backend> Stepping<B> {
             stream: None,
             captures,
             planned_frees,
+            deferred: Vec::new(),
         }
     }
 }
@@ -147,6 +154,8 @@ impl<B: Backend> Pool<B> {
     /// to be had) end its marks and its steps: the program's calls go as
     /// they did before the first.
     fn mark(&self, by: MarkedBy) -> Result<()> {
+        let deferred = take_deferred(&mut lock(&self.0.steps));
+        self.free_deferred(deferred);
         let _marking = lock(&self.0.marking);
         if by == MarkedBy::Emptying && !self.marks_at_emptying() {
             // The program marked a step meanwhile, on another thread: its
@@ -239,6 +248,8 @@ impl<B: Backend> Pool<B> {
     /// it allocates and frees, and lays out. Called again before that
     /// allocation, it changes nothing; a failed mark fails the allocation.
     pub fn mark_step_at_next_allocation(&self) {
+        let deferred = take_deferred(&mut lock(&self.0.steps));
+        self.free_deferred(deferred);
         self.0.mark_due.store(true, Ordering::Release);
     }
 
@@ -257,6 +268,10 @@ impl<B: Backend> Pool<B> {
     /// in stream order: asked for its unused memory, the pool counts an
     /// idle region as unused. Steps that repeat lay out again.
     pub(super) fn give_up_idle_layout(&self) {
+        // Frees a capture deferred first: their slots may be all that
+        // keeps the layout from being idle.
+        let deferred = take_deferred(&mut lock(&self.0.steps));
+        self.free_deferred(deferred);
         let given_up = {
             let mut st = lock(&self.0.steps);
             st.steps.give_up_if_idle();
@@ -472,7 +487,7 @@ impl<B: Backend> Pool<B> {
         allocation: &Allocation,
         stream: Option<&Stream<B>>,
     ) -> bool {
-        let (freed, given_up) = {
+        let (freed, given_up, deferred) = {
             let mut st = lock(&self.0.steps);
             let freed = self.free_in_steps(&mut st, allocation, stream);
             if let Freed::Planned = freed {
@@ -481,9 +496,10 @@ impl<B: Backend> Pool<B> {
                 st.planned_frees
                     .fetch_add(allocation.block_size, Ordering::Release);
             }
-            (freed, self.given_up(&mut st))
+            (freed, self.given_up(&mut st), take_deferred(&mut st))
         };
         self.free_given_up(given_up);
+        self.free_deferred(deferred);
         match freed {
             Freed::Heap => false,
             Freed::Planned | Freed::Kept => true,
@@ -491,6 +507,15 @@ impl<B: Backend> Pool<B> {
                 self.release_on(&part, stream);
                 true
             }
+        }
+    }
+
+    /// Frees the planned allocations that [`take_deferred`] took: each
+    /// stream is waited for now, as it would have been at the free.
+    fn free_deferred(&self, deferred: Vec<(Allocation, Stream<B>)>) {
+        for (allocation, stream) in deferred {
+            let planned = self.free_stepping(&allocation, Some(&stream));
+            debug_assert!(planned, "a deferred free is a planned allocation's");
         }
     }
 
@@ -505,24 +530,34 @@ impl<B: Backend> Pool<B> {
         let layout_stream = st.stream.as_ref().map(|s| s.0.id);
         if let Some(s) = stream.filter(|s| Some(s.0.id) != layout_stream) {
             if st.steps.is_planned(ptr) {
-                // While a graph is captured nothing may be waited for. A
-                // slot not waited for stays taken: safe, at the cost of
-                // the slot.
-                let waited = !st.captures.under_way()
-                    && match self.0.backend.synchronize_stream(&s.0.raw) {
-                        Ok(()) => true,
-                        Err(err) => {
-                            tracing::warn!(%err, "a planned allocation freed on another stream stays taken");
-                            false
-                        }
-                    };
-                if !waited {
+                // While a graph is captured nothing may be waited for: the
+                // slot stays taken until a free or mark with no capture
+                // under way waits and frees it. A stream that cannot be
+                // waited for keeps it: safe, at the cost of the slot.
+                if st.captures.under_way() {
+                    st.deferred
+                        .push((allocation.duplicate(), Stream(Arc::clone(&s.0))));
+                    return Freed::Kept;
+                }
+                if let Err(err) = self.0.backend.synchronize_stream(&s.0.raw) {
+                    tracing::warn!(%err, "a planned allocation freed on another stream stays taken");
                     return Freed::Kept;
                 }
             }
         }
         st.steps.free(ptr, allocation.step)
     }
+}
+
+/// The planned allocations whose frees on another stream came while a
+/// graph capture was under way ([`Pool::free_in_steps`]), once none is:
+/// taken to be freed by the pool's next free in a marked step, mark,
+/// request for one or trim.
+fn take_deferred<B: Backend>(st: &mut Stepping<B>) -> Vec<(Allocation, Stream<B>)> {
+    if st.deferred.is_empty() || st.captures.under_way() {
+        return Vec::new();
+    }
+    std::mem::take(&mut st.deferred)
 }
 
 /// Takes `size` bytes from the planned frees the pool's lock has not yet
