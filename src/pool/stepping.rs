@@ -535,8 +535,7 @@ impl<B: Backend> Pool<B> {
                 // under way waits and frees it. A stream that cannot be
                 // waited for keeps it: safe, at the cost of the slot.
                 if st.captures.under_way() {
-                    st.deferred
-                        .push((allocation.duplicate(), Stream(Arc::clone(&s.0))));
+                    st.deferred.push((allocation.duplicate(), s.clone()));
                     return Freed::Kept;
                 }
                 if let Err(err) = self.0.backend.synchronize_stream(&s.0.raw) {
