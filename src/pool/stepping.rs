@@ -154,8 +154,7 @@ impl<B: Backend> Pool<B> {
     /// to be had) end its marks and its steps: the program's calls go as
     /// they did before the first.
     fn mark(&self, by: MarkedBy) -> Result<()> {
-        let deferred = take_deferred(&mut lock(&self.0.steps));
-        self.free_deferred(deferred);
+        self.carry_out_deferred();
         let _marking = lock(&self.0.marking);
         if by == MarkedBy::Emptying && !self.marks_at_emptying() {
             // The program marked a step meanwhile, on another thread: its
@@ -248,8 +247,7 @@ impl<B: Backend> Pool<B> {
     /// it allocates and frees, and lays out. Called again before that
     /// allocation, it changes nothing; a failed mark fails the allocation.
     pub fn mark_step_at_next_allocation(&self) {
-        let deferred = take_deferred(&mut lock(&self.0.steps));
-        self.free_deferred(deferred);
+        self.carry_out_deferred();
         self.0.mark_due.store(true, Ordering::Release);
     }
 
@@ -270,8 +268,7 @@ impl<B: Backend> Pool<B> {
     pub(super) fn give_up_idle_layout(&self) {
         // Frees a capture deferred first: their slots may be all that
         // keeps the layout from being idle.
-        let deferred = take_deferred(&mut lock(&self.0.steps));
-        self.free_deferred(deferred);
+        self.carry_out_deferred();
         let given_up = {
             let mut st = lock(&self.0.steps);
             st.steps.give_up_if_idle();
@@ -508,6 +505,13 @@ impl<B: Backend> Pool<B> {
                 true
             }
         }
+    }
+
+    /// Frees what a graph capture deferred, if none is under way now
+    /// ([`take_deferred`]).
+    fn carry_out_deferred(&self) {
+        let deferred = take_deferred(&mut lock(&self.0.steps));
+        self.free_deferred(deferred);
     }
 
     /// Frees the planned allocations that [`take_deferred`] took: each
