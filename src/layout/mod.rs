@@ -4,11 +4,13 @@
 //! as possible. No driver, no pool state: tested on its own. See Note
 //! [Step layouts] in docs/DESIGN.md.
 //!
-//! The heuristic is greedy (Pisarchyk and Lee, "Efficient memory
-//! management for deep neural net inference", 2020): in some order (by
-//! size, or by breadth: those alive at the busiest moments first), each
-//! allocation at the best-fitting gap among those already placed that it
-//! meets in time.
+//! Two heuristics, the smaller result kept. Placement by lowest floor
+//! (`floors`, after MiniMalloc): allocations in order of their offsets,
+//! each on top of the highest one placed that it meets in time. And
+//! greedy best fit (Pisarchyk and Lee, "Efficient memory management for
+//! deep neural net inference", 2020): in some order (by size, or by
+//! breadth: those alive at the busiest moments first), each allocation at
+//! the best-fitting gap among those already placed that it meets in time.
 //!
 //! ```text
 //!   offset ^   [ big, events 0..9 ]
@@ -19,6 +21,10 @@
 use std::cmp::Reverse;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
+
+use floors::lay_out_by_floor;
+
+mod floors;
 
 /// One allocation of a recorded step: `size` bytes, live from event
 /// `start` until event `end` (exclusive). Events are the step's
@@ -67,22 +73,29 @@ const LONG_SHARE: u32 = 16;
 /// order, the layout is given up, and the steps run as unmarked ones do.
 /// The recorded traces, each laid out whole as one step, visit 68 M
 /// (ResNet-50) to 1,237 M (MoE) in all their orders; a step of one of
-/// them, about a million.
+/// them, about a million. Placement by floor counts each allocation
+/// taken from its queue as a visit, and never comes near it.
 const MOST_VISITS: u64 = 1 << 31;
 
-/// How [`lay_out`] runs its three orders.
+/// A layout within this fraction of its step's peak ends the search: the
+/// orders after it could save at most as much. The MoE's whole trace
+/// is laid out by breadth in 1.0000039 of its peak, and the three orders
+/// after it took 2.5 s more on the CI machine for nothing.
+const NEAR_PEAK: u64 = 10_000;
+
+/// How [`lay_out`] runs its four orders.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Orders {
     /// One after another on the calling thread: a step small enough to
     /// plan where it is marked (Note [Steps at emptying]).
     InTurn,
-    /// The first alone, which most often reaches the step's peak, then
-    /// the other two at once, each on a thread: a large step, planned
-    /// apart, whose layout the pool waits for. ViT's whole trace takes
-    /// 0.2, 0.4 and 0.4 s in its three orders on the CI machine, and
-    /// needs all three; started at once with the first, the other two
-    /// slowed it where it alone was needed (docs/RESULTS.md, "Two orders
-    /// at once").
+    /// The first alone (best fit by breadth), which most often reaches
+    /// the step's peak, then the other three at once, each on a thread: a
+    /// large step, planned apart, whose layout the pool waits for. ViT's
+    /// whole trace takes 0.2, 0.4 and 0.4 s in the three greedy orders on
+    /// the CI machine, and is laid out tightest by floor; started at once
+    /// with the first, the others slowed it where it alone was needed
+    /// (docs/RESULTS.md, "Two orders at once", "Layouts by lowest floor").
     AtOnce,
 }
 
@@ -90,21 +103,25 @@ pub(crate) enum Orders {
 /// found fits); every size must be a multiple of `align`, and so is every
 /// offset.
 ///
-/// Three orders are tried and the smallest layout kept, since none wins
-/// on every recorded workload (docs/RESULTS.md, "Step layouts"): by
-/// breadth (Pisarchyk and Lee's other greedy order), the allocations
-/// alive at the step's busiest moments first, which fills the peak before
-/// anything can leave a gap in it; then by size, allocations of one size
-/// the earliest first or the longest-lived first. Breadth goes first: it
-/// places a step fastest and most often reaches the peak.
+/// Four orders are tried and the smallest layout kept, since none wins
+/// on every recorded workload (docs/RESULTS.md, "Step layouts", "Layouts
+/// by lowest floor"): greedy best fit by breadth (Pisarchyk and Lee's
+/// other greedy order), the allocations alive at the step's busiest
+/// moments first, which fills the peak before anything can leave a gap in
+/// it and reaches it on most recorded steps; then by lowest floor, which
+/// reaches the peak of most of the others (ViT's step, 0.07 % over it,
+/// where the best greedy order leaves 0.66 %); then best fit by size,
+/// allocations of one size the earliest first or the longest-lived first.
+/// Breadth goes first: it places a step fastest and most often reaches
+/// the peak.
 ///
 /// An order gives up as soon as its layout passes the limit or one that
 /// another order has finished: placement is quadratic in the worst case,
 /// and a layout refused for its size (steps whose shapes vary apart) then
-/// costs a fraction of a whole one. Once an order's layout is as small as
-/// the step's peak, which none is below, the orders after it give up (most
-/// recorded steps reach it in the first, and planning a whole trace as one
-/// step takes half the time). Of layouts of one length, the earliest
+/// costs a fraction of a whole one. Once an order's layout is within a
+/// [`NEAR_PEAK`]th of the step's peak, which none is below, the orders
+/// after it give up (most recorded steps reach it in the first, and
+/// planning a whole trace as one step takes half the time). Of layouts of one length, the earliest
 /// order's is kept, so that the layout is the same whichever order
 /// finishes first.
 pub(crate) fn lay_out(
@@ -120,15 +137,15 @@ pub(crate) fn lay_out(
 struct Race {
     /// The limit, or the shortest layout an order has finished.
     bound: AtomicU64,
-    /// The first order whose layout reached the step's peak
-    /// (`usize::MAX`: none yet); the orders after it give up.
-    at_floor: AtomicUsize,
+    /// The first order whose layout came within a [`NEAR_PEAK`]th of the
+    /// step's peak (`usize::MAX`: none yet); the orders after it give up.
+    near_peak: AtomicUsize,
 }
 
 impl Race {
     /// Whether order `k` may go on with a layout of `len` bytes so far.
     fn open(&self, k: usize, len: u64) -> bool {
-        len <= self.bound.load(Relaxed) && self.at_floor.load(Relaxed) > k
+        len <= self.bound.load(Relaxed) && self.near_peak.load(Relaxed) > k
     }
 }
 
@@ -142,28 +159,14 @@ fn lay_out_within(
     orders: Orders,
 ) -> Option<Layout> {
     let live = live_per_event(lifetimes);
-    let floor = live.iter().copied().max().unwrap_or(0);
+    let peak = live.iter().copied().max().unwrap_or(0);
+    let near = peak + peak / NEAR_PEAK;
     let race = Race {
         bound: AtomicU64::new(limit),
-        at_floor: AtomicUsize::new(usize::MAX),
+        near_peak: AtomicUsize::new(usize::MAX),
     };
     let l = |i: usize| &lifetimes[i];
     let breadth = breadths(lifetimes, &live);
-    // Order `k` in the order of `key`: its layout, or why it has none.
-    let run = |k: usize, key: &dyn Fn(usize) -> (Reverse<u64>, Reverse<u64>, u32)| {
-        if !race.open(k, 0) {
-            return (None, false);
-        }
-        let mut left = visits;
-        let layout = lay_out_by(lifetimes, align, &race, k, &mut left, key);
-        if let Some(layout) = &layout {
-            race.bound.fetch_min(layout.len, Relaxed);
-            if layout.len <= floor {
-                race.at_floor.fetch_min(k, Relaxed);
-            }
-        }
-        (layout, left == 0)
-    };
     let by_breadth = |i: usize| (Reverse(breadth[i]), Reverse(l(i).size), l(i).start);
     let by_size = |i: usize| (Reverse(l(i).size), Reverse(0), l(i).start);
     let by_size_longest = |i: usize| {
@@ -173,22 +176,42 @@ fn lay_out_within(
             0,
         )
     };
+    // Order `k`: its layout, or why it has none.
+    let run = |k: usize| {
+        if !race.open(k, 0) {
+            return (None, false);
+        }
+        let mut left = visits;
+        let layout = match k {
+            0 => lay_out_by(lifetimes, align, &race, k, &mut left, by_breadth),
+            1 => lay_out_by_floor(lifetimes, &race, k, &mut left),
+            2 => lay_out_by(lifetimes, align, &race, k, &mut left, by_size),
+            _ => lay_out_by(lifetimes, align, &race, k, &mut left, by_size_longest),
+        };
+        if let Some(layout) = &layout {
+            race.bound.fetch_min(layout.len, Relaxed);
+            if layout.len <= near {
+                race.near_peak.fetch_min(k, Relaxed);
+            }
+        }
+        (layout, left == 0)
+    };
     let results = match orders {
-        Orders::InTurn => [
-            run(0, &by_breadth),
-            run(1, &by_size),
-            run(2, &by_size_longest),
-        ],
+        Orders::InTurn => [run(0), run(1), run(2), run(3)],
         Orders::AtOnce => {
-            let first = run(0, &by_breadth);
+            let first = run(0);
             std::thread::scope(|s| {
-                let second = std::thread::Builder::new()
-                    .name("vmpool-plan".into())
-                    .spawn_scoped(s, || run(1, &by_size));
-                let third = run(2, &by_size_longest);
+                let spawn = |k: usize| {
+                    std::thread::Builder::new()
+                        .name("vmpool-plan".into())
+                        .spawn_scoped(s, move || run(k))
+                };
+                let (second, third) = (spawn(1), spawn(2));
+                let fourth = run(3);
                 // No thread to be had: in turn, with the same result.
-                let second = second.map_or_else(|_| run(1, &by_size), join);
-                [first, second, third]
+                let second = second.map_or_else(|_| run(1), join);
+                let third = third.map_or_else(|_| run(2), join);
+                [first, second, third, fourth]
             })
         }
     };
