@@ -191,13 +191,10 @@ impl Skyline {
 mod tests {
     use std::sync::atomic::{AtomicU64, AtomicUsize};
 
+    use super::super::tests::{check, life};
     use super::super::{lay_out, lay_out_by, Orders};
     use super::*;
     use proptest::prelude::*;
-
-    fn life(size: u64, start: u32, end: u32) -> Lifetime {
-        Lifetime { size, start, end }
-    }
 
     /// A budget of visits no test spends.
     fn plenty() -> u64 {
@@ -284,15 +281,7 @@ mod tests {
                 .map(|&(size, start, span)| life(size, start, start + span))
                 .collect();
             let layout = lay_out_by_floor(&lifetimes, &unbounded(), 0, &mut plenty()).unwrap();
-            prop_assert!(layout.len >= super::super::peak(&lifetimes));
-            for (i, a) in lifetimes.iter().enumerate() {
-                prop_assert!(layout.offsets[i] + a.size <= layout.len);
-                for (j, b) in lifetimes.iter().enumerate().skip(i + 1) {
-                    let apart = layout.offsets[i] + a.size <= layout.offsets[j]
-                        || layout.offsets[j] + b.size <= layout.offsets[i];
-                    prop_assert!(!a.meets(b) || apart, "{i} and {j} overlap");
-                }
-            }
+            check(&lifetimes, &layout, 1)?;
         }
     }
 }

@@ -403,9 +403,41 @@ fn best_gap(taken: &[(u64, u64)], size: u64) -> u64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
 
-    fn life(size: u64, start: u32, end: u32) -> Lifetime {
+    pub(super) fn life(size: u64, start: u32, end: u32) -> Lifetime {
         Lifetime { size, start, end }
+    }
+
+    /// That `layout` holds `lifetimes`: each at an offset that is a
+    /// multiple of `align`, within its length, apart from every one it
+    /// meets; and that it is no smaller than their peak, counted event by
+    /// event.
+    pub(super) fn check(
+        lifetimes: &[Lifetime],
+        layout: &Layout,
+        align: u64,
+    ) -> Result<(), TestCaseError> {
+        let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0);
+        let live_at = |t: u32| -> u64 {
+            lifetimes
+                .iter()
+                .filter(|l| l.start <= t && t < l.end)
+                .map(|l| l.size)
+                .sum()
+        };
+        let peak_live = (0..end).map(live_at).max().unwrap_or(0);
+        prop_assert!(layout.len >= peak_live);
+        for (i, a) in lifetimes.iter().enumerate() {
+            prop_assert_eq!(layout.offsets[i] % align, 0);
+            prop_assert!(layout.offsets[i] + a.size <= layout.len);
+            for (j, b) in lifetimes.iter().enumerate().skip(i + 1) {
+                let apart = layout.offsets[i] + a.size <= layout.offsets[j]
+                    || layout.offsets[j] + b.size <= layout.offsets[i];
+                prop_assert!(!a.meets(b) || apart, "{i} and {j} overlap");
+            }
+        }
+        Ok(())
     }
 
     #[test]
@@ -496,21 +528,7 @@ mod tests {
                 prop_assert_eq!(lay_out(&lifetimes, 8, layout.len - 1, orders), None);
                 prop_assert_eq!(lay_out(&lifetimes, 8, u64::MAX, orders), Some(layout.clone()));
             }
-            let mut peak_live = 0;
-            for t in 0..1600 {
-                let live: u64 = lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum();
-                peak_live = peak_live.max(live);
-            }
-            prop_assert!(layout.len >= peak_live);
-            for (i, a) in lifetimes.iter().enumerate() {
-                prop_assert_eq!(layout.offsets[i] % 8, 0);
-                prop_assert!(layout.offsets[i] + a.size <= layout.len);
-                for (j, b) in lifetimes.iter().enumerate().skip(i + 1) {
-                    let apart = layout.offsets[i] + a.size <= layout.offsets[j]
-                        || layout.offsets[j] + b.size <= layout.offsets[i];
-                    prop_assert!(!a.meets(b) || apart, "{i} and {j} overlap");
-                }
-            }
+            check(&lifetimes, &layout, 8)?;
         }
     }
 }
