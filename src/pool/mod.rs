@@ -28,7 +28,7 @@ mod settings;
 mod sleep;
 mod stepping;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use vmm::{Backend, DeviceId, DevicePtr, ErrorKind};
@@ -75,8 +75,10 @@ struct Shared<B: Backend> {
     /// (Note [Step layouts]). Never cleared, since planned allocations
     /// must come back to it.
     stepping: AtomicBool,
-    /// A mark is due at the next allocation ([`Pool::mark_step_at_next_allocation`]).
-    mark_due: AtomicBool,
+    /// Which mark is due at the next allocation, if any: the program's
+    /// ([`Pool::mark_step_at_next_allocation`]) or one deferred past the
+    /// frees its step carries (Note [Step layouts]); see `stepping::Due`.
+    mark_due: AtomicU8,
     /// The pool no longer marks a step where the program empties it: the
     /// program has marked one itself, or the pool's own marks laid nothing
     /// out (Note [Steps at emptying]).
@@ -220,7 +222,7 @@ impl<B: Backend> Pool<B> {
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
-            mark_due: AtomicBool::new(false),
+            mark_due: AtomicU8::new(stepping::Due::None as u8),
             emptying_marks_off: AtomicBool::new(false),
             held_at_count: AtomicU64::new(u64::MAX),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
@@ -423,7 +425,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         let rounded = size.next_multiple_of(QUANTUM);
-        self.mark_if_due()?;
+        self.mark_if_due(stream)?;
         if self.0.stepping.load(Ordering::Acquire) {
             return self.allocate_stepping(size, rounded, stream);
         }

@@ -57,8 +57,27 @@ impl<B: Backend> Stepping<B> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MarkedBy {
     Program,
+    /// The program's first, while the pool's own marks were on: it ends
+    /// a step one of them began, whose first allocation's free is no
+    /// event of the step, so it is never deferred (it would wait for
+    /// that free).
+    ProgramFirst,
     /// The pool, where the program emptied it (Note [Steps at emptying]).
     Emptying,
+    /// The pool, for a program's mark that waited for the frees its step
+    /// carried into the next (Note [Step layouts]).
+    Deferred,
+}
+
+/// Which mark is due at the pool's next allocation (`Shared::mark_due`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum Due {
+    None,
+    /// The program's ([`Pool::mark_step_at_next_allocation`]).
+    Program,
+    /// A program's mark deferred past the frees its step carried.
+    Deferred,
 }
 
 /// The pool's own marks in a row that may lay nothing out before it marks
@@ -95,11 +114,16 @@ impl<B: Backend> Pool<B> {
     /// ends that.
     pub fn mark_step(&self) -> Result<()> {
         self.awake()?;
+        let by = if self.marks_at_emptying() {
+            MarkedBy::ProgramFirst
+        } else {
+            MarkedBy::Program
+        };
         self.stop_emptying_marks();
         if let Some(r) = &self.0.recorder {
             r.step();
         }
-        self.mark(MarkedBy::Program)
+        self.mark(by)
     }
 
     /// Whether the pool marks a step where the program empties it: until
@@ -164,6 +188,9 @@ impl<B: Backend> Pool<B> {
         self.0.stepping.store(true, Ordering::Release);
         let (wants, given_up, stream) = {
             let mut st = lock(&self.0.steps);
+            if by == MarkedBy::Program && st.steps.defer_mark() {
+                return Ok(());
+            }
             let wants = st.steps.mark();
             if by == MarkedBy::Emptying {
                 st.unlaid_marks = if wants.is_none() && st.steps.lays_out_nothing() {
@@ -248,18 +275,44 @@ impl<B: Backend> Pool<B> {
     /// allocation, it changes nothing; a failed mark fails the allocation.
     pub fn mark_step_at_next_allocation(&self) {
         self.carry_out_deferred();
-        self.0.mark_due.store(true, Ordering::Release);
+        self.0.mark_due.store(Due::Program as u8, Ordering::Release);
     }
 
     /// The mark [`Pool::mark_step_at_next_allocation`] asked for, before an
     /// allocation: a load of the pool's first line when none is due.
     #[inline]
-    pub(super) fn mark_if_due(&self) -> Result<()> {
-        if self.0.mark_due.load(Ordering::Relaxed) && self.0.mark_due.swap(false, Ordering::AcqRel)
-        {
-            self.mark_step()?;
+    pub(super) fn mark_if_due(&self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+        if self.0.mark_due.load(Ordering::Relaxed) == Due::None as u8 {
+            return Ok(());
         }
-        Ok(())
+        match self.0.mark_due.swap(Due::None as u8, Ordering::AcqRel) {
+            d if d == Due::Program as u8 => self.mark_step(),
+            d if d == Due::Deferred as u8 => {
+                self.mark(MarkedBy::Deferred)?;
+                self.start_afresh_if_emptied(stream)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// After a deferred mark: a program that freed everything while the
+    /// mark waited (a model torn down with the frees it carried) starts
+    /// afresh here, its idle layout given up, as a new model's first
+    /// allocation past its layout does ([`Pool::allocate_past_layout`]):
+    /// the step that diverged from its layout ended it, and the new
+    /// model's allocations would otherwise take the old one's frees on
+    /// the stream's hot path first, laid out where they were.
+    fn start_afresh_if_emptied(&self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+        if !self.lock().empty_now() {
+            return Ok(());
+        }
+        let given_up = {
+            let mut st = lock(&self.0.steps);
+            st.steps.give_up_if_idle();
+            self.given_up(&mut st)
+        };
+        self.free_given_up(given_up);
+        self.lock().start_afresh(stream)
     }
 
     /// Gives up a layout nothing planned lives in now, its region freed
@@ -368,12 +421,16 @@ impl<B: Backend> Pool<B> {
             let mut st = lock(&self.0.steps);
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
+            if st.steps.take_deferred_mark() {
+                deferred_mark_due(&self.0.mark_due);
+            }
             if st.stream.is_none() && placement != Placement::Heap(None) {
                 st.stream = stream.map(|s| Stream(Arc::clone(s)));
             }
             let counted = matches!(placement, Placement::Planned(_))
                 && spend_planned_frees(&st.planned_frees, rounded);
-            let overran = matches!(placement, Placement::Heap(Some(_))) && st.steps.overran();
+            let overran = matches!(placement, Placement::Heap(Some(_)))
+                && (st.steps.overran() || st.steps.take_divergence());
             (placement, counted, overran, self.given_up(&mut st))
         };
         self.free_given_up(given_up);
@@ -487,6 +544,9 @@ impl<B: Backend> Pool<B> {
         let (freed, given_up, deferred) = {
             let mut st = lock(&self.0.steps);
             let freed = self.free_in_steps(&mut st, allocation, stream);
+            if st.steps.take_deferred_mark() {
+                deferred_mark_due(&self.0.mark_due);
+            }
             if let Freed::Planned = freed {
                 // Idle again, counted before a region this free gave up
                 // leaves the idle bytes; without the pool's lock.
@@ -550,6 +610,17 @@ impl<B: Backend> Pool<B> {
         }
         st.steps.free(ptr, allocation.step)
     }
+}
+
+/// A deferred mark is due at the next allocation; not over a program's
+/// mark due there, which ends the wait itself.
+fn deferred_mark_due(mark_due: &std::sync::atomic::AtomicU8) {
+    let _ = mark_due.compare_exchange(
+        Due::None as u8,
+        Due::Deferred as u8,
+        Ordering::AcqRel,
+        Ordering::Relaxed,
+    );
 }
 
 /// The planned allocations whose frees on another stream came while a

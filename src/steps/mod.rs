@@ -25,9 +25,11 @@ use rustc_hash::FxHashMap;
 
 use crate::layout::{peak, Orders};
 
+mod deferral;
 mod planning;
 mod region;
 
+use deferral::Deferral;
 use planning::{lifetimes, plan, Plan, Planning, PLANNED_APART};
 use region::{Active, Event, Live, Region, Slot};
 
@@ -44,6 +46,11 @@ struct Recording {
     /// The step made more than [`MAX_ALLOCATIONS`]: the rest went
     /// unrecorded, and it is laid out never.
     overflowed: bool,
+    /// The step freed an allocation the step before it made, carried
+    /// across their mark: it may carry allocations of its own into the
+    /// next ([`Steps::defer_mark`]). (Frees of older ones, a model's
+    /// weights torn down, say, are not carried.)
+    freed_carried: bool,
     /// The most bytes live at once at `sizes`, kept once the step is
     /// finished, so that a step that repeats it at the same sizes need not
     /// work it out again (0 while recording, and for a step not whole).
@@ -193,6 +200,12 @@ pub(crate) struct Steps<R> {
     /// Layouts in a row that ended in their first step, or never began
     /// (their region refused).
     short_lived: u32,
+    /// Whether the program's marks wait for the frees their steps carry.
+    deferral: Deferral,
+    /// A layout ended as its step went another way, and no allocation has
+    /// looked since whether the program emptied the pool
+    /// ([`Steps::take_divergence`]).
+    unchecked_divergence: bool,
     align: u64,
 }
 
@@ -212,6 +225,8 @@ impl<R> Steps<R> {
             largest_peak: 0,
             repeated: 0,
             short_lived: 0,
+            deferral: Deferral::default(),
+            unchecked_divergence: false,
             align,
         }
     }
@@ -288,12 +303,17 @@ impl<R> Steps<R> {
     fn record(&mut self, event: Event) {
         let at = self.current.events.len();
         self.current.events.push(event);
+        if let Event::Free(o) = event {
+            self.deferral.freed(o);
+        }
         let leaves = |a: &mut Active<R>| a.events.get(at).is_some_and(|e| *e != event);
         if let Some(active) = self.active.take_if(leaves) {
             // The program went another way: its memory is the heap's now,
             // as soon as nothing planned lives in it.
             self.current.diverged = true;
             self.end(active);
+            self.unchecked_divergence = true;
+            self.deferral.diverged();
         }
     }
 
@@ -424,6 +444,8 @@ impl<R> Steps<R> {
         if let Some(tag) = tag {
             if tag.step == self.counters.steps {
                 self.record(Event::Free(tag.ordinal));
+            } else if tag.step + 1 == self.counters.steps {
+                self.current.freed_carried = true;
             }
             return Freed::Heap;
         }
@@ -454,7 +476,33 @@ impl<R> Steps<R> {
     fn record_free(&mut self, live: Live) {
         if live.step == self.counters.steps {
             self.record(Event::Free(live.ordinal));
+        } else if live.step + 1 == self.counters.steps {
+            self.current.freed_carried = true;
         }
+    }
+
+    /// Whether the program's mark waits for the allocations its step
+    /// carries into the next (`Deferral::defer`), so that a layout's
+    /// region is not placed beside them; once they are freed, the mark is
+    /// due at the next allocation ([`Steps::take_deferred_mark`]).
+    pub(crate) fn defer_mark(&mut self) -> bool {
+        self.deferral
+            .defer(&self.current.events, self.current.freed_carried)
+    }
+
+    /// Whether a layout ended by a step that went another way since the
+    /// last allocation that asked, once: the next looks whether the
+    /// program emptied the pool, as one past a layout's last event does
+    /// (a model torn down in the middle of a step, where a deferred mark
+    /// put the step's end).
+    pub(crate) fn take_divergence(&mut self) -> bool {
+        std::mem::take(&mut self.unchecked_divergence)
+    }
+
+    /// Whether a deferred mark is due, once: the pool marks at its next
+    /// allocation.
+    pub(crate) fn take_deferred_mark(&mut self) -> bool {
+        self.deferral.take_due()
     }
 
     /// Ends a step. A step gets a new layout when it had the events of the
@@ -478,6 +526,7 @@ impl<R> Steps<R> {
             self.short_lived = 0;
         }
         self.counters.steps += 1;
+        self.deferral.marked();
         if let Some(active) = &mut self.active {
             active.region.step_ended();
         }
