@@ -425,7 +425,7 @@ impl<B: Backend> Pool<B> {
             });
         }
         let rounded = size.next_multiple_of(QUANTUM);
-        self.mark_if_due(stream)?;
+        self.mark_if_due()?;
         if self.0.stepping.load(Ordering::Acquire) {
             return self.allocate_stepping(size, rounded, stream);
         }

@@ -278,41 +278,20 @@ impl<B: Backend> Pool<B> {
         self.0.mark_due.store(Due::Program as u8, Ordering::Release);
     }
 
-    /// The mark [`Pool::mark_step_at_next_allocation`] asked for, before an
-    /// allocation: a load of the pool's first line when none is due.
+    /// The mark due before an allocation, the program's
+    /// ([`Pool::mark_step_at_next_allocation`]) or one deferred past the
+    /// frees its step carried: a load of the pool's first line when none
+    /// is due.
     #[inline]
-    pub(super) fn mark_if_due(&self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
+    pub(super) fn mark_if_due(&self) -> Result<()> {
         if self.0.mark_due.load(Ordering::Relaxed) == Due::None as u8 {
             return Ok(());
         }
         match self.0.mark_due.swap(Due::None as u8, Ordering::AcqRel) {
             d if d == Due::Program as u8 => self.mark_step(),
-            d if d == Due::Deferred as u8 => {
-                self.mark(MarkedBy::Deferred)?;
-                self.start_afresh_if_emptied(stream)
-            }
+            d if d == Due::Deferred as u8 => self.mark(MarkedBy::Deferred),
             _ => Ok(()),
         }
-    }
-
-    /// After a deferred mark: a program that freed everything while the
-    /// mark waited (a model torn down with the frees it carried) starts
-    /// afresh here, its idle layout given up, as a new model's first
-    /// allocation past its layout does ([`Pool::allocate_past_layout`]):
-    /// the step that diverged from its layout ended it, and the new
-    /// model's allocations would otherwise take the old one's frees on
-    /// the stream's hot path first, laid out where they were.
-    fn start_afresh_if_emptied(&self, stream: Option<&Arc<StreamShared<B>>>) -> Result<()> {
-        if !self.lock().empty_now() {
-            return Ok(());
-        }
-        let given_up = {
-            let mut st = lock(&self.0.steps);
-            st.steps.give_up_if_idle();
-            self.given_up(&mut st)
-        };
-        self.free_given_up(given_up);
-        self.lock().start_afresh(stream)
     }
 
     /// Gives up a layout nothing planned lives in now, its region freed
