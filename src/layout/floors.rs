@@ -191,7 +191,7 @@ impl Skyline {
 mod tests {
     use std::sync::atomic::{AtomicU64, AtomicUsize};
 
-    use super::super::tests::{check, life};
+    use super::super::tests::{check, life, lives};
     use super::super::{lay_out, lay_out_by, Orders};
     use super::*;
     use proptest::prelude::*;
@@ -276,10 +276,7 @@ mod tests {
         fn floors_never_overlap(
             spans in prop::collection::vec((1u64..64, 0u32..400, 1u32..1200), 1..120)
         ) {
-            let lifetimes: Vec<Lifetime> = spans
-                .iter()
-                .map(|&(size, start, span)| life(size, start, start + span))
-                .collect();
+            let lifetimes = lives(&spans, 1);
             let layout = lay_out_by_floor(&lifetimes, &unbounded(), 0, &mut plenty()).unwrap();
             check(&lifetimes, &layout, 1)?;
         }

@@ -121,9 +121,9 @@ pub(crate) enum Orders {
 /// costs a fraction of a whole one. Once an order's layout is within a
 /// [`NEAR_PEAK`]th of the step's peak, which none is below, the orders
 /// after it give up (most recorded steps reach it in the first, and
-/// planning a whole trace as one step takes half the time). Of layouts of one length, the earliest
-/// order's is kept, so that the layout is the same whichever order
-/// finishes first.
+/// planning a whole trace as one step takes half the time). Of layouts
+/// of one length, the earliest order's is kept, so that the layout is the
+/// same whichever order finishes first.
 pub(crate) fn lay_out(
     lifetimes: &[Lifetime],
     align: u64,
@@ -409,6 +409,14 @@ mod tests {
         Lifetime { size, start, end }
     }
 
+    /// Lifetimes from drawn `(size, start, span)`, each size in `unit`s.
+    pub(super) fn lives(spans: &[(u64, u32, u32)], unit: u64) -> Vec<Lifetime> {
+        spans
+            .iter()
+            .map(|&(size, start, span)| life(size * unit, start, start + span))
+            .collect()
+    }
+
     /// That `layout` holds `lifetimes`: each at an offset that is a
     /// multiple of `align`, within its length, apart from every one it
     /// meets; and that it is no smaller than their peak, counted event by
@@ -497,10 +505,7 @@ mod tests {
         fn breadths_are_the_most_live_in_each_lifetime(
             spans in prop::collection::vec((1u64..64, 0u32..600, 1u32..400), 1..80)
         ) {
-            let lifetimes: Vec<Lifetime> = spans
-                .iter()
-                .map(|&(size, start, span)| life(size, start, start + span))
-                .collect();
+            let lifetimes = lives(&spans, 1);
             let live_at = |t: u32| -> u64 {
                 lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum()
             };
@@ -516,10 +521,7 @@ mod tests {
         fn live_allocations_never_overlap(
             spans in prop::collection::vec((1u64..64, 0u32..400, 1u32..1200), 1..120)
         ) {
-            let lifetimes: Vec<Lifetime> = spans
-                .iter()
-                .map(|&(size, start, span)| life(size * 8, start, start + span))
-                .collect();
+            let lifetimes = lives(&spans, 8);
             let layout = lay_out(&lifetimes, 8, u64::MAX, Orders::InTurn).unwrap();
             // A limit changes nothing but whether it is found; the orders
             // at once give the layout they give in turn.
