@@ -442,11 +442,7 @@ impl<R> Steps<R> {
     /// went to the heap in a recorded step: what the pool does with it.
     pub(crate) fn free(&mut self, ptr: u64, tag: Option<StepTag>) -> Freed<R> {
         if let Some(tag) = tag {
-            if tag.step == self.counters.steps {
-                self.record(Event::Free(tag.ordinal));
-            } else if tag.step + 1 == self.counters.steps {
-                self.current.freed_carried = true;
-            }
+            self.record_free(tag.step, tag.ordinal);
             return Freed::Heap;
         }
         // The map, mostly empty, is looked in only when it holds something.
@@ -454,7 +450,7 @@ impl<R> Steps<R> {
             .then(|| self.converted.remove(&ptr))
             .flatten();
         if let Some(c) = converted {
-            self.record_free(c.live);
+            self.record_free(c.live.step, c.live.ordinal);
             return Freed::Split(c.memory);
         }
         let Some(region) = self
@@ -468,15 +464,17 @@ impl<R> Steps<R> {
         let Some(live) = region.remove(ptr) else {
             return Freed::Heap;
         };
-        self.record_free(live);
+        self.record_free(live.step, live.ordinal);
         Freed::Planned
     }
 
-    /// Records the free of a planned allocation, if it is this step's.
-    fn record_free(&mut self, live: Live) {
-        if live.step == self.counters.steps {
-            self.record(Event::Free(live.ordinal));
-        } else if live.step + 1 == self.counters.steps {
+    /// Records the free of the allocation of `ordinal` made in `step`, if
+    /// it is this step's; one the step before made was carried across
+    /// their mark.
+    fn record_free(&mut self, step: u64, ordinal: u32) {
+        if step == self.counters.steps {
+            self.record(Event::Free(ordinal));
+        } else if step + 1 == self.counters.steps {
             self.current.freed_carried = true;
         }
     }
