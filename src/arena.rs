@@ -50,11 +50,36 @@ pub(crate) struct ChunkPolicy {
     pub(crate) granule_growth_below: u64,
 }
 
+/// Where the program stands in its run, for the chunks growth creates
+/// (Note [Growth chunk size], "The first steps").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RunStage {
+    /// Before the end of the program's [`FIRST_STEPS`]th marked step.
+    FirstSteps,
+    Later,
+}
+
+/// Steps marked before growth takes the divisor's chunks: the first sets
+/// up what the run keeps (weights, optimizer state), the second is the
+/// first that repeats.
+pub(crate) const FIRST_STEPS: u32 = 2;
+
+/// In its first steps a pool grows by granules while it holds under this,
+/// so that a program that never marks a step pays at most this over the
+/// granule in chunks.
+pub(crate) const FIRST_STEPS_GRANULE_LIMIT: u64 = 16 << 30;
+
 impl ChunkPolicy {
     /// Largest chunk a growth creates while the pool holds `reserved` bytes.
-    pub(crate) fn growth_chunk(&self, reserved: u64, granule: u64) -> u64 {
+    pub(crate) fn growth_chunk(&self, reserved: u64, granule: u64, stage: RunStage) -> u64 {
+        let granule_below = match stage {
+            RunStage::FirstSteps if self.granule_growth_below > 0 => {
+                FIRST_STEPS_GRANULE_LIMIT.max(self.granule_growth_below)
+            }
+            _ => self.granule_growth_below,
+        };
         match self.chunk_divisor {
-            Some(_) if reserved < self.granule_growth_below => granule,
+            Some(_) if reserved < granule_below => granule,
             Some(d) => (reserved / d)
                 .next_multiple_of(granule)
                 .clamp(granule, self.chunk_size),

@@ -12,7 +12,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use vmm::memory::Chunk;
 use vmm::Backend;
 
-use crate::arena::{ArenaId, Arenas};
+use crate::arena::{ArenaId, Arenas, RunStage};
 use crate::heap::BlockId;
 use crate::ordering::{Guard, Guards, StreamPos};
 use crate::plan::{self, Bridge, Gap, Mapped, Plan, Sizes, Source, Tail, UnitSize};
@@ -80,6 +80,8 @@ pub(crate) struct Growth<'a, B: Backend> {
     pub(crate) counters: &'a mut GrowthCounters,
     /// Which unused chunks may move ([`crate::PoolProps::defragment`]).
     pub(crate) defragment: Defragment,
+    /// Sizes the chunks growth creates ([`crate::arena::ChunkPolicy`]).
+    pub(crate) stage: RunStage,
 }
 
 impl<B: Backend> Growth<'_, B> {
@@ -215,7 +217,7 @@ impl<B: Backend> Growth<'_, B> {
         // a fresh start, where every chunk is spare, growth takes them in
         // the sizes it created them in from empty (Note [Starting afresh]).
         let in_use = self.space.reserved() - self.space.spare_bytes();
-        let growth_chunk = arena.policy.growth_chunk(in_use, granule);
+        let growth_chunk = arena.policy.growth_chunk(in_use, granule, self.stage);
         let (start, end) = (arena.start, arena.end);
         // Address ranges in use: the units, which the heap's regions cover
         // exactly (a unit's range goes in when it is mapped and out when it

@@ -39,8 +39,11 @@ pub struct PoolProps {
     /// small pool's footprint is the most sensitive to its chunk size, and
     /// growing to this size takes at most this over the granule in chunks,
     /// so a coarse divisor saves driver calls where they add up, in large
-    /// pools. Default [`DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor
-    /// alone.
+    /// pools. Until the program has marked two steps ([`crate::Pool::mark_step`]),
+    /// growth is by granules up to 16 GiB too: what the first steps leave
+    /// live stays for the whole run, and granules strand the least beside
+    /// it. Default [`DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor alone,
+    /// from the first step. See Note [Growth chunk size] in docs/DESIGN.md.
     pub granule_growth_below: u64,
     /// Virtual address space to reserve; `None`: four times the device's
     /// memory, so that address space never runs short before memory does.

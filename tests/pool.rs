@@ -169,8 +169,9 @@ pub fn invalid_requests<B: TestBackend>(b: &Arc<B>) {
 
 /// Growth chunks: at most the pool's reserved bytes over the divisor (at
 /// least a granule, at most the chunk size) once the pool holds
-/// `granule_growth_below` bytes, one granule before; or the chunk size
-/// itself without a divisor.
+/// `granule_growth_below` bytes, one granule before; until the program has
+/// marked two steps, one granule while the pool holds under 16 GiB; or the
+/// chunk size itself without a divisor.
 pub fn growth_chunks_scale_with_the_pool<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let g = b.granularity(DEV).unwrap() as u64;
@@ -196,12 +197,19 @@ pub fn growth_chunks_scale_with_the_pool<B: TestBackend>(b: &Arc<B>) {
     // Divisor 4, each growth capped at what the pool held before it over 4:
     // empty, by granules; at 8 granules, by 2; at 16, by 4; at 80, by the
     // chunk size (16, under 80 / 4). With granules below 16 of them, the
-    // second growth is by granules too.
-    for (below, growths) in [
-        (0, [(8, 1, 8), (8, 2, 4), (64, 4, 16), (32, 16, 2)]),
-        (16 * g, [(8, 1, 8), (8, 1, 8), (64, 4, 16), (32, 16, 2)]),
+    // second growth is by granules too, and before the second step mark
+    // every growth is.
+    let by_granules = [(8, 1, 8), (8, 1, 8), (64, 1, 64), (32, 1, 32)];
+    for (below, marks, growths) in [
+        (0, 0, [(8, 1, 8), (8, 2, 4), (64, 4, 16), (32, 16, 2)]),
+        (16 * g, 2, [(8, 1, 8), (8, 1, 8), (64, 4, 16), (32, 16, 2)]),
+        (16 * g, 0, by_granules),
+        (16 * g, 1, by_granules),
     ] {
         let scaled = pool(Some(4), below);
+        for _ in 0..marks {
+            scaled.mark_step().unwrap();
+        }
         let mut live = Vec::new();
         for (granules, chunk, count) in growths {
             let before = chunk_sizes(&scaled).len();
@@ -209,7 +217,7 @@ pub fn growth_chunks_scale_with_the_pool<B: TestBackend>(b: &Arc<B>) {
             assert_eq!(
                 chunk_sizes(&scaled)[before..],
                 vec![chunk * g; count],
-                "granules below {below}, growth of {granules}"
+                "granules below {below}, {marks} marks, growth of {granules}"
             );
         }
         scaled.audit().unwrap();

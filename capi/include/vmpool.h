@@ -16,7 +16,7 @@
  * | `VMPOOL_RELEASE_THRESHOLD` | bytes a pool keeps across a synchronize | `max` (keep everything, as PyTorch does) |
  * | `VMPOOL_CHUNK_SIZE` | largest growth chunk, in bytes | `32MiB` |
  * | `VMPOOL_CHUNK_DIVISOR` | growth chunks of at most the pool's reserved bytes over this, within one granule and `VMPOOL_CHUNK_SIZE`; `off`: whole `VMPOOL_CHUNK_SIZE` chunks | `1024` (the Rust library's is 2048; at random shapes a 1024th held GPT-2 at 1.0058 and ResNet-50 at 1.0078 of the peak, where the 256th before held 1.0061 and 1.0158) |
- * | `VMPOOL_GRANULE_GROWTH_BELOW` | with a divisor, grow by one-granule (2 MiB) chunks while the pool holds fewer bytes than this; `0`: the divisor alone | `2G` |
+ * | `VMPOOL_GRANULE_GROWTH_BELOW` | with a divisor, grow by one-granule (2 MiB) chunks while the pool holds fewer bytes than this, and up to 16 GiB until the second step mark; `0`: the divisor alone | `2G` |
  * | `VMPOOL_VA_SIZE` | address space the device's pool reserves, in bytes; more for a marked program that builds one model after another on one pool, whose layouts walk up it (docs/RESULTS.md, "Layouts that walk the address space") | four times the device's memory |
  * | `VMPOOL_FRESH_START` | what a pool does once the program has emptied it: `when-emptied` lays out the next work as from empty, on its own chunks parked in place, so that repeated work keeps its first footprint; `never` keeps the last work's layout, which grows less but whose footprint may creep (docs/RESULTS.md, "Fresh starts that keep their chunks mapped") | `when-emptied` |
  * | `VMPOOL_HANDLE_TYPE` | `posix_fd`: every pool's chunks exportable as POSIX descriptors, so that NCCL can register its memory (`vmpool.torch.register`); `none`: not shareable | `none` |

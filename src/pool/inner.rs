@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vmm::{Backend, ErrorKind};
 
-use crate::arena::{ArenaId, Arenas};
+use crate::arena::{ArenaId, Arenas, RunStage, FIRST_STEPS};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
@@ -122,6 +122,8 @@ pub(super) struct Inner<B: Backend> {
     step_high: u64,
     /// Growth's count of moved units when the pool last marked so.
     remaps_at_mark: u64,
+    /// Steps marked so far, up to [`FIRST_STEPS`].
+    steps_marked: u32,
     pub(super) defragment: Defragment,
     fresh_start: FreshStart,
     /// The pool's id, for the logs.
@@ -166,6 +168,7 @@ impl<B: Backend> Inner<B> {
             remaps_at_fresh: 0,
             step_high: 0,
             remaps_at_mark: 0,
+            steps_marked: 0,
             defragment,
             fresh_start,
             pool,
@@ -188,7 +191,18 @@ impl<B: Backend> Inner<B> {
             counters: &mut self.growth,
             defragment: self.defragment,
             pool: self.pool,
+            stage: if self.steps_marked < FIRST_STEPS {
+                RunStage::FirstSteps
+            } else {
+                RunStage::Later
+            },
         }
+    }
+
+    /// Counts a step marked, for the chunks growth creates (Note [Growth
+    /// chunk size], "The first steps").
+    pub(super) fn step_marked(&mut self) {
+        self.steps_marked = (self.steps_marked + 1).min(FIRST_STEPS);
     }
 
     /// Bytes of live allocations: `used` less the streams' credits. It

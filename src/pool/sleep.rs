@@ -119,9 +119,10 @@ impl<B: Backend> Pool<B> {
     /// allocates a larger one. The copy goes in batches, each batch's
     /// chunks released as soon as its bytes are on the host. Releasing
     /// costs the driver some 30-60 us a chunk while the copy runs, so a
-    /// pool of many small chunks (a pool under 4 GiB grows by 2 MiB ones
-    /// by default) sleeps slower than its copy the first time; one grown
-    /// by whole chunks ([`PoolProps::chunk_divisor`](crate::PoolProps::chunk_divisor)
+    /// pool of many small chunks (a pool under 4 GiB, or in its first
+    /// steps, grows by 2 MiB ones by default) sleeps slower than its copy
+    /// the first time; one grown by whole chunks
+    /// ([`PoolProps::chunk_divisor`](crate::PoolProps::chunk_divisor)
     /// `None`) does not, and a wake brings the memory back in fewer chunks
     /// either way (Note [Sleep and wake] in docs/DESIGN.md).
     ///
@@ -184,8 +185,9 @@ impl<B: Backend> Pool<B> {
     /// `stream`, so that the memory of each live allocation comes back in
     /// chunks of up to the growth chunk size. The next sleep then releases
     /// those few chunks instead of the many small ones growth made (a pool
-    /// under 4 GiB grows by 2 MiB ones), whose release the driver
-    /// serialises at some 40 us each, longer than copying their bytes
+    /// under 4 GiB, or in its first steps, grows by 2 MiB ones), whose
+    /// release the driver serialises at some 40 us each, longer than
+    /// copying their bytes
     /// (Note [Sleep and wake] in docs/DESIGN.md). The pinning, the copies
     /// both ways and the releases are paid here, at a time the program
     /// chooses, as [`Pool::reserve_host`] pays the pinning.

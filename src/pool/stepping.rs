@@ -219,6 +219,7 @@ impl<B: Backend> Pool<B> {
             }
             (wants, given_up, stream)
         };
+        self.lock().step_marked();
         // Regions given up go first, so that a new one can take their place.
         self.free_given_up(given_up);
         let Some(len) = wants else {
