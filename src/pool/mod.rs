@@ -28,7 +28,7 @@ mod settings;
 mod sleep;
 mod stepping;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use vmm::{Backend, DeviceId, DevicePtr, ErrorKind};
@@ -77,8 +77,8 @@ struct Shared<B: Backend> {
     stepping: AtomicBool,
     /// Which mark is due at the next allocation, if any: the program's
     /// ([`Pool::mark_step_at_next_allocation`]) or one deferred past the
-    /// frees its step carries (Note [Step layouts]); see `stepping::Due`.
-    mark_due: AtomicU8,
+    /// frees its step carries (Note [Step layouts]).
+    mark_due: stepping::DueMark,
     /// The pool no longer marks a step where the program empties it: the
     /// program has marked one itself, or the pool's own marks laid nothing
     /// out (Note [Steps at emptying]).
@@ -222,7 +222,7 @@ impl<B: Backend> Pool<B> {
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
-            mark_due: AtomicU8::new(stepping::Due::None as u8),
+            mark_due: stepping::DueMark::new(),
             emptying_marks_off: AtomicBool::new(false),
             held_at_count: AtomicU64::new(u64::MAX),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),

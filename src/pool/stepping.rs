@@ -4,7 +4,7 @@
 //! region laid out for them, so that the step takes no heap block, grows
 //! nothing and remaps nothing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use vmm::Backend;
@@ -69,15 +69,56 @@ enum MarkedBy {
     Deferred,
 }
 
-/// Which mark is due at the pool's next allocation (`Shared::mark_due`).
+/// Which mark is due at the pool's next allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub(super) enum Due {
+enum Due {
     None,
     /// The program's ([`Pool::mark_step_at_next_allocation`]).
     Program,
     /// A program's mark deferred past the frees its step carried.
     Deferred,
+}
+
+/// The [`Due`] mark, in one byte that the allocation's hot path loads
+/// (`Shared::mark_due`).
+pub(super) struct DueMark(AtomicU8);
+
+impl DueMark {
+    pub(super) fn new() -> Self {
+        Self(AtomicU8::new(Due::None as u8))
+    }
+
+    /// Whether no mark is due: one load.
+    #[inline]
+    fn is_none(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == Due::None as u8
+    }
+
+    /// The program's mark is due, over any other.
+    fn set_program(&self) {
+        self.0.store(Due::Program as u8, Ordering::Release);
+    }
+
+    /// A deferred mark is due; not over a program's mark due there, which
+    /// ends the wait itself.
+    fn set_deferred(&self) {
+        let _ = self.0.compare_exchange(
+            Due::None as u8,
+            Due::Deferred as u8,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// The mark due, none left due.
+    fn take(&self) -> Due {
+        match self.0.swap(Due::None as u8, Ordering::AcqRel) {
+            d if d == Due::Program as u8 => Due::Program,
+            d if d == Due::Deferred as u8 => Due::Deferred,
+            _ => Due::None,
+        }
+    }
 }
 
 /// The pool's own marks in a row that may lay nothing out before it marks
@@ -276,7 +317,7 @@ impl<B: Backend> Pool<B> {
     /// allocation, it changes nothing; a failed mark fails the allocation.
     pub fn mark_step_at_next_allocation(&self) {
         self.carry_out_deferred();
-        self.0.mark_due.store(Due::Program as u8, Ordering::Release);
+        self.0.mark_due.set_program();
     }
 
     /// The mark due before an allocation, the program's
@@ -285,13 +326,13 @@ impl<B: Backend> Pool<B> {
     /// is due.
     #[inline]
     pub(super) fn mark_if_due(&self) -> Result<()> {
-        if self.0.mark_due.load(Ordering::Relaxed) == Due::None as u8 {
+        if self.0.mark_due.is_none() {
             return Ok(());
         }
-        match self.0.mark_due.swap(Due::None as u8, Ordering::AcqRel) {
-            d if d == Due::Program as u8 => self.mark_step(),
-            d if d == Due::Deferred as u8 => self.mark(MarkedBy::Deferred),
-            _ => Ok(()),
+        match self.0.mark_due.take() {
+            Due::Program => self.mark_step(),
+            Due::Deferred => self.mark(MarkedBy::Deferred),
+            Due::None => Ok(()),
         }
     }
 
@@ -402,7 +443,7 @@ impl<B: Backend> Pool<B> {
             let capturing = st.captures.under_way();
             let placement = st.steps.place(id, rounded, capturing);
             if st.steps.take_deferred_mark() {
-                deferred_mark_due(&self.0.mark_due);
+                self.0.mark_due.set_deferred();
             }
             if st.stream.is_none() && placement != Placement::Heap(None) {
                 st.stream = stream.map(|s| Stream(Arc::clone(s)));
@@ -525,7 +566,7 @@ impl<B: Backend> Pool<B> {
             let mut st = lock(&self.0.steps);
             let freed = self.free_in_steps(&mut st, allocation, stream);
             if st.steps.take_deferred_mark() {
-                deferred_mark_due(&self.0.mark_due);
+                self.0.mark_due.set_deferred();
             }
             if let Freed::Planned = freed {
                 // Idle again, counted before a region this free gave up
@@ -590,17 +631,6 @@ impl<B: Backend> Pool<B> {
         }
         st.steps.free(ptr, allocation.step)
     }
-}
-
-/// A deferred mark is due at the next allocation; not over a program's
-/// mark due there, which ends the wait itself.
-fn deferred_mark_due(mark_due: &std::sync::atomic::AtomicU8) {
-    let _ = mark_due.compare_exchange(
-        Due::None as u8,
-        Due::Deferred as u8,
-        Ordering::AcqRel,
-        Ordering::Relaxed,
-    );
 }
 
 /// The planned allocations whose frees on another stream came while a
