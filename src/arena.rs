@@ -140,3 +140,63 @@ impl IndexMut<ArenaId> for Arenas {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    fn policy(granule_growth_below: u64) -> ChunkPolicy {
+        ChunkPolicy {
+            chunk_size: 32 * MIB,
+            chunk_divisor: Some(1024),
+            granule_growth_below,
+        }
+    }
+
+    #[test]
+    fn first_steps_grow_by_granules_up_to_their_limit() {
+        let (g, p) = (2 * MIB, policy(2 * GIB));
+        let chunk = |reserved, stage| p.growth_chunk(reserved, g, stage);
+        // Later: granules below the pool's limit, then the divisor's share.
+        assert_eq!(chunk(GIB, RunStage::Later), g);
+        assert_eq!(chunk(4 * GIB, RunStage::Later), 4 * MIB);
+        // First steps: granules up to 16 GiB, the divisor's share from there.
+        assert_eq!(chunk(4 * GIB, RunStage::FirstSteps), g);
+        assert_eq!(
+            chunk(FIRST_STEPS_GRANULE_LIMIT - g, RunStage::FirstSteps),
+            g
+        );
+        assert_eq!(
+            chunk(FIRST_STEPS_GRANULE_LIMIT, RunStage::FirstSteps),
+            16 * MIB
+        );
+        assert_eq!(chunk(64 * GIB, RunStage::FirstSteps), 32 * MIB);
+    }
+
+    #[test]
+    fn a_pool_without_a_granule_limit_takes_the_divisor_from_the_first_step() {
+        let p = policy(0);
+        assert_eq!(
+            p.growth_chunk(4 * GIB, 2 * MIB, RunStage::FirstSteps),
+            4 * MIB
+        );
+        // A limit above the first steps' keeps its own.
+        let p = policy(32 * GIB);
+        assert_eq!(
+            p.growth_chunk(20 * GIB, 2 * MIB, RunStage::FirstSteps),
+            2 * MIB
+        );
+    }
+
+    #[test]
+    fn whole_chunks_without_a_divisor() {
+        let p = ChunkPolicy {
+            chunk_divisor: None,
+            ..policy(2 * GIB)
+        };
+        assert_eq!(p.growth_chunk(GIB, 2 * MIB, RunStage::FirstSteps), 32 * MIB);
+    }
+}
