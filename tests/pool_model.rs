@@ -52,7 +52,8 @@ proptest! {
         // largest chunk.
         chunk_divisor in proptest::option::of(prop_oneof![Just(4u64), Just(2048)]),
         // With a divisor: by granules throughout, or until the pool holds
-        // 16 MiB.
+        // 16 MiB (past the first steps, which the test marks for it: in
+        // them growth is by granules up to 16 GiB).
         granule_growth_below in prop_oneof![Just(0u64), Just(16 * MIB), Just(u64::MAX)],
     ) {
         let host = Host::new(HostConfig {
@@ -74,6 +75,10 @@ proptest! {
                 })
                 .unwrap();
             pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX).unwrap();
+            if granule_growth_below == 16 * MIB {
+                pool.mark_step().unwrap();
+                pool.mark_step().unwrap();
+            }
             let s = b.create_stream(DEV).unwrap();
             let mut live: Vec<(Allocation, u32)> = Vec::new();
             for (step, op) in ops.into_iter().enumerate() {

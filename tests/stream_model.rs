@@ -113,7 +113,8 @@ proptest! {
         switches in proptest::array::uniform3(0..2u64),
         threshold in prop_oneof![Just(0u64), Just(64u64 << 20), Just(u64::MAX)],
         // Whole 8 MiB chunks, or chunks of a quarter of the pool up to them
-        // (by granules until the pool holds 16 MiB, or from the start).
+        // (by granules until the pool holds 16 MiB, past the first steps,
+        // which the test marks for it; or from the start).
         chunk_divisor in proptest::option::of(Just(4u64)),
         granule_growth_below in prop_oneof![Just(0u64), Just(16u64 << 20)],
     ) {
@@ -127,6 +128,10 @@ proptest! {
         {
             let ctx = Context::new(std::sync::Arc::clone(&host)).unwrap();
             let pool = ctx.create_pool(&PoolProps { chunk_size: Some(8 << 20), chunk_divisor, granule_growth_below, ..PoolProps::new(DEV) }).unwrap();
+            if granule_growth_below > 0 {
+                pool.mark_step().unwrap();
+                pool.mark_step().unwrap();
+            }
             for (attr, on) in PoolAttribute::REUSE_SWITCHES
             .into_iter()
             .zip(switches)
