@@ -102,9 +102,9 @@ pub struct Config {
     /// `VMPOOL_CHUNK_SIZE` chunks.
     pub chunk_divisor: Option<u64>,
     /// `VMPOOL_GRANULE_GROWTH_BELOW`: with a divisor, growth by granules
-    /// while the pool holds fewer bytes than this
-    /// (`PoolProps::granule_growth_below`); default
-    /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`].
+    /// while the pool holds fewer bytes than this, and up to 16 GiB until
+    /// the second step mark (`PoolProps::granule_growth_below`); default
+    /// [`vmpool::DEFAULT_GRANULE_GROWTH_BELOW`]; 0: the divisor alone.
     pub granule_growth_below: u64,
     /// `VMPOOL_VA_SIZE`: the address space each device's pool reserves
     /// (`PoolProps::va_size`); default four times the device's memory.
