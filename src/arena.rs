@@ -56,6 +56,7 @@ pub(crate) struct ChunkPolicy {
 pub(crate) enum RunStage {
     /// Before the end of the program's [`FIRST_STEPS`]th marked step.
     FirstSteps,
+    /// From then on, for the rest of the pool's life.
     Later,
 }
 
