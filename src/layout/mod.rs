@@ -417,6 +417,15 @@ mod tests {
             .collect()
     }
 
+    /// Bytes of `lifetimes` live at event `t`, counted one by one.
+    fn live_at(lifetimes: &[Lifetime], t: u32) -> u64 {
+        lifetimes
+            .iter()
+            .filter(|l| l.start <= t && t < l.end)
+            .map(|l| l.size)
+            .sum()
+    }
+
     /// That `layout` holds `lifetimes`: each at an offset that is a
     /// multiple of `align`, within its length, apart from every one it
     /// meets; and that it is no smaller than their peak, counted event by
@@ -427,14 +436,7 @@ mod tests {
         align: u64,
     ) -> Result<(), TestCaseError> {
         let end = lifetimes.iter().map(|l| l.end).max().unwrap_or(0);
-        let live_at = |t: u32| -> u64 {
-            lifetimes
-                .iter()
-                .filter(|l| l.start <= t && t < l.end)
-                .map(|l| l.size)
-                .sum()
-        };
-        let peak_live = (0..end).map(live_at).max().unwrap_or(0);
+        let peak_live = (0..end).map(|t| live_at(lifetimes, t)).max().unwrap_or(0);
         prop_assert!(layout.len >= peak_live);
         for (i, a) in lifetimes.iter().enumerate() {
             prop_assert_eq!(layout.offsets[i] % align, 0);
@@ -506,11 +508,8 @@ mod tests {
             spans in prop::collection::vec((1u64..64, 0u32..600, 1u32..400), 1..80)
         ) {
             let lifetimes = lives(&spans, 1);
-            let live_at = |t: u32| -> u64 {
-                lifetimes.iter().filter(|l| l.start <= t && t < l.end).map(|l| l.size).sum()
-            };
             for (l, got) in lifetimes.iter().zip(breadths(&lifetimes, &live_per_event(&lifetimes))) {
-                let want = (l.start..l.end).map(live_at).max().unwrap();
+                let want = (l.start..l.end).map(|t| live_at(&lifetimes, t)).max().unwrap();
                 prop_assert_eq!(got, want);
             }
         }

@@ -276,9 +276,8 @@ fn a_truncated_trace_says_why_once() {
 /// `--slack`: at the peak of GPT-2's generation trace, served by the
 /// heap, every byte not live lies in units that also hold live bytes;
 /// where a step layout's region is placed at the peak, its idle slots
-/// count apart. The
-/// parts add up to the peak reserved; without the option, no such
-/// report; and only vmpool has one.
+/// count apart. The parts add up to the peak reserved; without the
+/// option, no such report; and only vmpool has one.
 #[test]
 fn slack_at_the_peak_adds_up() {
     let slack_of = |trace: &str| {
