@@ -68,6 +68,9 @@ pub struct PoolStats {
     /// Trims that released memory (explicit, or to the release threshold
     /// at a synchronization).
     pub trims: u64,
+    /// Step marks at which the units of whole free regions were gathered
+    /// into one range (Note [Growth and remapping], "Gathering at marks").
+    pub gathers: u64,
     /// Stream-ordered allocations served by memory freed on the same stream.
     pub same_stream_reuses: u64,
     /// ... by memory freed on a stream they were ordered after by an event.
@@ -269,13 +272,14 @@ impl std::fmt::Display for PoolSnapshot {
         )?;
         writeln!(
             f,
-            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims",
+            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims, {} gathers",
             st.grows,
             st.remaps,
             mib(st.bytes_remapped),
             st.chunks_created,
             st.chunks_released,
-            st.trims
+            st.trims,
+            st.gathers
         )?;
         for (i, &(start, end)) in self.arenas.iter().enumerate() {
             writeln!(

@@ -108,6 +108,16 @@ pub(super) struct Usage {
     pub(super) used_high: u64,
 }
 
+/// Where a marked step ended, as far as growth cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StepEnd {
+    /// At a mark of the program's (deferred or not).
+    Program,
+    /// Where the program emptied the pool: it starts afresh instead (Note
+    /// [Starting afresh]), so nothing is gathered.
+    Emptied,
+}
+
 pub(super) struct Inner<B: Backend> {
     pub(super) arenas: Arenas,
     pub(super) space: Space<B>,
@@ -124,6 +134,8 @@ pub(super) struct Inner<B: Backend> {
     remaps_at_mark: u64,
     /// Steps marked so far, up to [`FIRST_STEPS`].
     steps_marked: u32,
+    /// Chunks created when the pool last counted a mark.
+    created_at_mark: u64,
     pub(super) defragment: Defragment,
     fresh_start: FreshStart,
     /// The pool's id, for the logs.
@@ -169,6 +181,7 @@ impl<B: Backend> Inner<B> {
             step_high: 0,
             remaps_at_mark: 0,
             steps_marked: 0,
+            created_at_mark: 0,
             defragment,
             fresh_start,
             pool,
@@ -200,9 +213,24 @@ impl<B: Backend> Inner<B> {
     }
 
     /// Counts a step marked, for the chunks growth creates (Note [Growth
-    /// chunk size], "The first steps").
-    pub(super) fn step_marked(&mut self) {
+    /// chunk size], "The first steps"); at a program's step after the
+    /// first steps, where the step just ended created chunks, gathers the
+    /// whole free regions into one range (Note [Growth and remapping],
+    /// "Gathering at marks"). A gathering that fails leaves the tables
+    /// consistent and every chunk accounted for, and the mark goes on: it
+    /// is logged, not returned.
+    pub(super) fn step_marked(&mut self, end: StepEnd) {
         self.steps_marked = (self.steps_marked + 1).min(FIRST_STEPS);
+        let created = self.space.counters.chunks_created;
+        if end == StepEnd::Program
+            && self.steps_marked >= FIRST_STEPS
+            && created != self.created_at_mark
+        {
+            if let Err(error) = self.growth().gather_free_regions() {
+                tracing::warn!(pool = self.pool, %error, "gathering free regions at a mark failed");
+            }
+        }
+        self.created_at_mark = self.space.counters.chunks_created;
     }
 
     /// Bytes of live allocations: `used` less the streams' credits. It

@@ -17,6 +17,7 @@ use crate::steps::{Freed, Placement, StepCounters, Steps};
 use crate::sync::lock;
 use crate::{Error, Result};
 
+use super::inner::StepEnd;
 use super::{Pool, Purpose};
 
 /// The layouts and the stream they serve.
@@ -260,7 +261,12 @@ impl<B: Backend> Pool<B> {
             }
             (wants, given_up, stream)
         };
-        self.lock().step_marked();
+        let end = if by == MarkedBy::Emptying {
+            StepEnd::Emptied
+        } else {
+            StepEnd::Program
+        };
+        self.lock().step_marked(end);
         // Regions given up go first, so that a new one can take their place.
         self.free_given_up(given_up);
         let Some(len) = wants else {

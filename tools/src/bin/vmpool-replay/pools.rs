@@ -133,6 +133,7 @@ pub(crate) fn replay_vmpool<B: Backend>(
         chunks_created: stats.chunks_created,
         chunks_released: stats.chunks_released,
         grows: stats.grows,
+        gathers: stats.gathers,
         grow_nanos: stats.grow_nanos,
         maps: stats.maps,
         unmaps: stats.unmaps,

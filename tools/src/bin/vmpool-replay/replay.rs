@@ -23,6 +23,8 @@ pub(crate) struct Report {
     pub(crate) chunks_created: u64,
     pub(crate) chunks_released: u64,
     pub(crate) grows: u64,
+    /// Marks at which whole free regions were gathered (vmpool only).
+    pub(crate) gathers: u64,
     pub(crate) grow_nanos: u64,
     pub(crate) maps: u64,
     pub(crate) unmaps: u64,

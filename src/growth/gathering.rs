@@ -1,0 +1,60 @@
+//! Gathering a pool's whole free regions into one range at a step mark
+//! (Note [Growth and remapping], "Gathering at marks", in docs/DESIGN.md).
+
+use std::time::Instant;
+
+use rustc_hash::FxHashSet;
+use vmm::Backend;
+
+use super::{side_by_side, Growing, Growth};
+use crate::arena::ArenaId;
+use crate::heap::BlockId;
+use crate::props::Defragment;
+use crate::space::Piece;
+use crate::va::Va;
+use crate::Result;
+
+impl<B: Backend> Growth<'_, B> {
+    /// Gathers the units of the free blocks that are whole mapped regions
+    /// (in both arenas) into one range of the large arena, one free block
+    /// there, where two or more such regions exist and the range needs no
+    /// new chunk: a step that ends with its free memory in one range
+    /// places the next step's large allocations there, instead of moving
+    /// units to make room for each (Note [Growth and remapping],
+    /// "Gathering at marks"). Units under any stream's queued work stay
+    /// where they are. Returns whether it gathered.
+    #[cold]
+    pub(crate) fn gather_free_regions(&mut self) -> Result<bool> {
+        let free = self.free_units(None, Defragment::WholeRegions);
+        let regions: FxHashSet<BlockId> = free.iter().map(|u| u.block).collect();
+        if regions.len() < 2 {
+            return Ok(false);
+        }
+        let total = free.iter().map(|u| u.len).sum();
+        let arena = ArenaId::Large;
+        let plan = match self.plan(arena, total, &free)? {
+            Growing::Range(plan) if plan.created() == 0 => plan,
+            _ => return Ok(false),
+        };
+        let started = Instant::now();
+        let targets = side_by_side(plan.target.start, &plan.sources);
+        let gathered = self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
+        let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
+        self.space.map_at(Va(plan.target.start), gathered.pieces)?;
+        self.counters.gathers += 1;
+        self.arenas[arena]
+            .heap
+            .insert_free(plan.target.start, plan.len());
+        self.carry_guards(plan.target.start, &sizes, gathered.under);
+        tracing::debug!(
+            pool = self.pool,
+            regions = regions.len(),
+            bytes = plan.len(),
+            at = format_args!("{:#x}", plan.target.start),
+            chunks = plan.sources.len(),
+            took = ?started.elapsed(),
+            "gathered free regions"
+        );
+        Ok(true)
+    }
+}
