@@ -9,7 +9,7 @@
 //!                space    Space    reservation, units, spares, aliases (space.rs)
 //!                streams  Streams  streams with frees pending here (ordering/)
 //!                guards   Guards   free ranges a stream may still touch (ordering/)
-//!   growth (growth.rs) borrows arenas, space and guards to map new ranges
+//!   growth (growth/) borrows arenas, space and guards to map new ranges
 //! ```
 //!
 //! An allocation takes a free block from the heap when one fits (no driver
