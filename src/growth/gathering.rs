@@ -32,26 +32,33 @@ impl<B: Backend> Growth<'_, B> {
         }
         let total = free.iter().map(|u| u.len).sum();
         let arena = ArenaId::Large;
-        let plan = match self.plan(arena, total, &free)? {
-            Growing::Range(plan) if plan.created() == 0 => plan,
-            _ => return Ok(false),
-        };
         let started = Instant::now();
-        let targets = side_by_side(plan.target.start, &plan.sources);
-        let gathered = self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
-        let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
-        self.space.map_at(Va(plan.target.start), gathered.pieces)?;
+        match self.plan(arena, total, &free)? {
+            Growing::Range(plan) if plan.created() == 0 => {
+                let targets = side_by_side(plan.target.start, &plan.sources);
+                let gathered =
+                    self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
+                let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
+                self.space.map_at(Va(plan.target.start), gathered.pieces)?;
+                self.arenas[arena]
+                    .heap
+                    .insert_free(plan.target.start, plan.len());
+                self.carry_guards(plan.target.start, &sizes, gathered.under);
+            }
+            // A large gathering may join the regions where they lie, by
+            // filling the holes between them (Note [Growth and remapping],
+            // "Bridges"), releasing as much as it creates. A bridge of no
+            // hole is a run of free blocks that holds as much already.
+            Growing::Bridge(bridge) if bridge.created() == 0 && !bridge.holes.is_empty() => {
+                self.bridge(arena, total, &bridge, &free, started)?;
+            }
+            _ => return Ok(false),
+        }
         self.counters.gathers += 1;
-        self.arenas[arena]
-            .heap
-            .insert_free(plan.target.start, plan.len());
-        self.carry_guards(plan.target.start, &sizes, gathered.under);
         tracing::debug!(
             pool = self.pool,
             regions = regions.len(),
-            bytes = plan.len(),
-            at = format_args!("{:#x}", plan.target.start),
-            chunks = plan.sources.len(),
+            bytes = total,
             took = ?started.elapsed(),
             "gathered free regions"
         );

@@ -109,7 +109,11 @@ impl<B: Backend> Growth<'_, B> {
         let started = Instant::now();
         let plan = match self.plan(arena, size, &free)? {
             Growing::Range(plan) => plan,
-            Growing::Bridge(bridge) => return self.bridge(arena, size, &bridge, &free, started),
+            Growing::Bridge(bridge) => {
+                let block = self.bridge(arena, size, &bridge, &free, started)?;
+                self.counters.grows += 1;
+                return Ok(block);
+            }
         };
         let targets = side_by_side(plan.target.start, &plan.sources);
         let gathered = self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
@@ -196,7 +200,6 @@ impl<B: Backend> Growth<'_, B> {
             joined = Some(self.arenas[arena].heap.insert_free(hole.start, hole.len));
             self.carry_guards(hole.start, &sizes, under.by_ref().take(sizes.len()));
         }
-        self.counters.grows += 1;
         tracing::debug!(
             pool = self.pool,
             ?arena,

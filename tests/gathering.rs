@@ -1,0 +1,120 @@
+//! Gathering at marks (Note [Growth and remapping], "Gathering at marks",
+//! in docs/DESIGN.md): a marked run whose tensors change size every step
+//! has its whole free regions moved into one range at the marks after
+//! steps that created chunks, and no live byte moves or changes. On every
+//! backend (the host always, CUDA with `--features gpu-tests`).
+
+use std::sync::Arc;
+
+use vmpool::vmm::testing::TestBackend;
+use vmpool::vmm::{DeviceId, DevicePtr};
+use vmpool::{Allocation, Context, PoolAttribute, Stream};
+
+#[allow(dead_code)]
+mod common;
+
+const DEV: DeviceId = DeviceId(0);
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+/// Experts per layer, and layers: each step makes an activation per
+/// expert per layer, of a size that drifts from step to step.
+const EXPERTS: u64 = 6;
+const LAYERS: u64 = 4;
+
+fn write_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    b.fill_u32(s.raw(), a.ptr(), 1, word).unwrap();
+    let last = DevicePtr(a.ptr().0 + a.size() / 4 * 4 - 4);
+    b.fill_u32(s.raw(), last, 1, word).unwrap();
+}
+
+fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    for at in [a.ptr().0, a.ptr().0 + a.size() / 4 * 4 - 4] {
+        let mut bytes = [0u8; 4];
+        b.copy_to_host(s.raw(), DevicePtr(at), &mut bytes).unwrap();
+        assert_eq!(
+            u32::from_ne_bytes(bytes),
+            word,
+            "the bytes at {at:#x} changed"
+        );
+    }
+}
+
+/// The size of expert `e`'s activation in step `t`: 1 to 9 MiB and some
+/// KiB, a different mix every step, all growing by an eighth every eight
+/// steps (new largest sizes keep coming, and growth with them).
+fn expert_size(t: u64, layer: u64, e: u64) -> u64 {
+    let h = (t * 7 + layer * 13 + e * 29) % 17;
+    (MIB + h * 512 * KIB + (t * 31 + e) % 64 * KIB) * (8 + t / 8) / 8
+}
+
+fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = common::pool(&ctx);
+    // Kept across synchronizations, as PyTorch's pools keep theirs.
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    // Weights, made before the first mark, live throughout.
+    let weights: Vec<Allocation> = (0..8)
+        .map(|i| pool.allocate_async(3 * MIB + i * 100 * KIB, &s).unwrap())
+        .collect();
+    for (i, w) in weights.iter().enumerate() {
+        write_ends(b.as_ref(), &s, w, 0xA000 + i as u32);
+    }
+    pool.mark_step().unwrap();
+    let mut kept: Vec<(u64, (Allocation, u32))> = Vec::new();
+    for t in 0..60u64 {
+        let mut live = Vec::new();
+        for layer in 0..LAYERS {
+            // As many experts as the step routes to: the steps' calls
+            // differ, so that no layout serves them (Note [Step layouts]).
+            for e in 0..EXPERTS - (t + layer) % 3 {
+                let a = pool.allocate_async(expert_size(t, layer, e), &s).unwrap();
+                let word = (t * 1000 + layer * 10 + e) as u32;
+                write_ends(b.as_ref(), &s, &a, word);
+                live.push((a, word));
+            }
+            // A temporary, freed at once.
+            let tmp = pool.allocate_async((t % 5 + 1) * 700 * KIB, &s).unwrap();
+            pool.free_async(tmp, &s).unwrap();
+        }
+        // Every fifth step keeps one activation for seven steps (a cache
+        // the loop holds), between the memory of the others.
+        if t % 5 == 0 {
+            kept.push((t + 7, live.swap_remove(live.len() / 2)));
+        }
+        while let Some((a, word)) = live.pop() {
+            check_ends(b.as_ref(), &s, &a, word);
+            pool.free_async(a, &s).unwrap();
+        }
+        while let Some(i) = kept.iter().position(|&(until, _)| until == t) {
+            let (_, (a, word)) = kept.swap_remove(i);
+            check_ends(b.as_ref(), &s, &a, word);
+            pool.free_async(a, &s).unwrap();
+        }
+        // The frees done, as a training loop's are by its next step.
+        ctx.synchronize_stream(&s).unwrap();
+        pool.mark_step().unwrap();
+        pool.audit().unwrap();
+    }
+    for (i, w) in weights.iter().enumerate() {
+        check_ends(b.as_ref(), &s, w, 0xA000 + i as u32);
+    }
+    let st = pool.stats();
+    assert!(
+        st.gathers > 0,
+        "no gathering: the case is not covered ({st:?})"
+    );
+    for (_, (a, word)) in kept {
+        check_ends(b.as_ref(), &s, &a, word);
+        pool.free_async(a, &s).unwrap();
+    }
+    for w in weights {
+        pool.free_async(w, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
+suites!(drifting_steps_gather_and_keep_every_byte);
