@@ -16,13 +16,14 @@ use crate::Result;
 
 impl<B: Backend> Growth<'_, B> {
     /// Gathers the units of the free blocks that are whole mapped regions
-    /// (in both arenas) into one range of the large arena, one free block
-    /// there, where two or more such regions exist and the range needs no
-    /// new chunk: a step that ends with its free memory in one range
-    /// places the next step's large allocations there, instead of moving
-    /// units to make room for each (Note [Growth and remapping],
-    /// "Gathering at marks"). Units under any stream's queued work stay
-    /// where they are. Returns whether it gathered.
+    /// (in both arenas) into one free block of the large arena, by growth's
+    /// plan for their total (a range, or a bridge over the holes between
+    /// them), where two or more such regions exist and the plan creates
+    /// nothing: a step that ends with its free memory in one block places
+    /// the next step's large allocations there, instead of moving units to
+    /// make room for each (Note [Growth and remapping], "Gathering at
+    /// marks"). Units under any stream's queued work stay where they are.
+    /// Returns whether it gathered.
     #[cold]
     pub(crate) fn gather_free_regions(&mut self) -> Result<bool> {
         let free = self.free_units(None, Defragment::WholeRegions);
