@@ -1,6 +1,6 @@
 //! Gathering at marks (Note [Growth and remapping], "Gathering at marks",
 //! in docs/DESIGN.md): a marked run whose tensors change size every step
-//! has its whole free regions moved into one range at the marks after
+//! has its whole free regions moved into one free block at the marks after
 //! steps that created chunks, and no live byte moves or changes. On every
 //! backend (the host always, CUDA with `--features gpu-tests`).
 
