@@ -230,9 +230,10 @@ impl<B: Backend> Growth<'_, B> {
         // Address ranges in use: the units, which the heap's regions cover
         // exactly (a unit's range goes in when it is mapped and out when it
         // is unmapped), a region for each run of them; and the old places of
-        // moved units, out of the heap but still mapped.
+        // moved units and the mappings that would not unmap, out of the heap
+        // but still mapped.
         let regions = arena.heap.regions();
-        let aliases: Vec<(u64, u64)> = self.space.aliases_in(Va(start)..Va(end)).collect();
+        let aliases = self.space.mapped_apart_in(Va(start)..Va(end));
         let mut occupied = regions.clone();
         occupied.extend(aliases.iter().copied());
         // Two runs already in order: a stable sort merges them in one pass.

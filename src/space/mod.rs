@@ -371,11 +371,23 @@ impl<B: Backend> Space<B> {
         self.aliases.values().any(|a| a.until.stream == stream)
     }
 
-    /// The aliases in `range`: (address, size), in address order.
-    pub(crate) fn aliases_in(&self, range: Range<Va>) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.aliases
-            .range(range)
+    /// The mappings in `range` that are not units: the old places of moved
+    /// units (aliases) and the mappings that would not unmap (quarantined),
+    /// which growth must not map over: (address, size), in address order.
+    pub(crate) fn mapped_apart_in(&self, range: Range<Va>) -> Vec<(u64, u64)> {
+        let mut ranges: Vec<(u64, u64)> = self
+            .aliases
+            .range(range.clone())
             .map(|(&va, a)| (va.0, a.mapping.size() as u64))
+            .collect();
+        ranges.extend(
+            self.quarantine
+                .iter()
+                .filter(|m| range.contains(&Va(m.va().0)))
+                .map(|m| (m.va().0, m.size() as u64)),
+        );
+        ranges.sort_unstable();
+        ranges
     }
 
     pub(crate) fn aliased_bytes(&self) -> u64 {
@@ -546,8 +558,14 @@ impl<B: Backend> Space<B> {
                 problems.push(format!("parked chunk at {va:#x} overlaps a unit"));
             }
         }
+        // A quarantined mapping may be a moved unit's old place (an alias
+        // that would not unmap): its chunk is mapped at the new place too.
         for m in &self.quarantine {
-            hold(m.chunk(), problems);
+            let c = m.chunk();
+            let moved_here = self.units.values().any(|u| Arc::ptr_eq(u.chunk(), c));
+            if !moved_here {
+                hold(c, problems);
+            }
         }
         for c in &self.unreleased {
             hold(c, problems);
