@@ -6,12 +6,10 @@ use std::time::Instant;
 use rustc_hash::FxHashSet;
 use vmm::Backend;
 
-use super::{side_by_side, Growing, Growth};
+use super::{Growing, Growth};
 use crate::arena::ArenaId;
 use crate::heap::BlockId;
 use crate::props::Defragment;
-use crate::space::Piece;
-use crate::va::Va;
 use crate::Result;
 
 impl<B: Backend> Growth<'_, B> {
@@ -36,15 +34,7 @@ impl<B: Backend> Growth<'_, B> {
         let started = Instant::now();
         match self.plan(arena, total, &free)? {
             Growing::Range(plan) if plan.created() == 0 => {
-                let targets = side_by_side(plan.target.start, &plan.sources);
-                let gathered =
-                    self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
-                let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
-                self.space.map_at(Va(plan.target.start), gathered.pieces)?;
-                self.arenas[arena]
-                    .heap
-                    .insert_free(plan.target.start, plan.len());
-                self.carry_guards(plan.target.start, &sizes, gathered.under);
+                self.map_range(arena, &plan, &free)?;
             }
             // A large gathering may join the regions where they lie, by
             // filling the holes between them (Note [Growth and remapping],

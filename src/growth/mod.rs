@@ -115,15 +115,8 @@ impl<B: Backend> Growth<'_, B> {
                 return Ok(block);
             }
         };
-        let targets = side_by_side(plan.target.start, &plan.sources);
-        let gathered = self.gather(&plan.sources, &targets, &free, &FxHashSet::default())?;
-        let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
-        self.space.map_at(Va(plan.target.start), gathered.pieces)?;
+        let block = self.map_range(arena, &plan, &free)?;
         self.counters.grows += 1;
-        let block = self.arenas[arena]
-            .heap
-            .insert_free(plan.target.start, plan.len());
-        self.carry_guards(plan.target.start, &sizes, gathered.under);
         // One event per growth; the chunks it created or moved are logged
         // one by one at trace.
         let count = |f: fn(&Source) -> bool| plan.sources.iter().filter(|s| f(s)).count();
@@ -140,6 +133,21 @@ impl<B: Backend> Growth<'_, B> {
             took = ?started.elapsed(),
             "grew"
         );
+        Ok(block)
+    }
+
+    /// Gathers the chunks of `plan` and maps them side by side as its new
+    /// range in `arena`, one free block there, and returns it. `free`: the
+    /// free units the plan was made from.
+    fn map_range(&mut self, arena: ArenaId, plan: &Plan, free: &[FreeUnit]) -> Result<BlockId> {
+        let targets = side_by_side(plan.target.start, &plan.sources);
+        let gathered = self.gather(&plan.sources, &targets, free, &FxHashSet::default())?;
+        let sizes: Vec<u64> = gathered.pieces.iter().map(Piece::size).collect();
+        self.space.map_at(Va(plan.target.start), gathered.pieces)?;
+        let block = self.arenas[arena]
+            .heap
+            .insert_free(plan.target.start, plan.len());
+        self.carry_guards(plan.target.start, &sizes, gathered.under);
         Ok(block)
     }
 
@@ -233,9 +241,9 @@ impl<B: Backend> Growth<'_, B> {
         // moved units and the mappings that would not unmap, out of the heap
         // but still mapped.
         let regions = arena.heap.regions();
-        let aliases = self.space.mapped_apart_in(Va(start)..Va(end));
+        let mapped_apart = self.space.mapped_apart_in(Va(start)..Va(end));
         let mut occupied = regions.clone();
-        occupied.extend(aliases.iter().copied());
+        occupied.extend(mapped_apart.iter().copied());
         // Two runs already in order: a stable sort merges them in one pass.
         occupied.sort();
         let next_in_use_after = |at: u64| {
@@ -295,7 +303,7 @@ impl<B: Backend> Growth<'_, B> {
                     head: heads.get(&start).copied().unwrap_or(0),
                     tail: tail_at.get(&(start + len)).copied().unwrap_or(0),
                 })
-                .chain(aliases.iter().map(|&(start, len)| Mapped {
+                .chain(mapped_apart.iter().map(|&(start, len)| Mapped {
                     start,
                     len,
                     head: 0,

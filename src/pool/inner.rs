@@ -230,6 +230,8 @@ impl<B: Backend> Inner<B> {
                 tracing::warn!(pool = self.pool, %error, "gathering free regions at a mark failed");
             }
         }
+        // Read again: a gathering's bridge may create chunks (as many bytes
+        // as it releases), which must not gather again at the next mark.
         self.created_at_mark = self.space.counters.chunks_created;
     }
 
