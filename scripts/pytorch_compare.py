@@ -669,6 +669,49 @@ def long_table(results):
                 f"| {workload} | {allocator} | {len(runs)} x {runs[0]['steps']} | {speed} | {fastest} "
                 f"| {' | '.join(footprints)} | {calls} |"
             )
+            if is_vmpool(allocator) and native:
+                print(f"|   issue 23 | {issue23_verdict(runs, by_allocator)} | | | | | | | |")
+
+
+def issue23_verdict(runs, by_allocator):
+    """Issue 23's bars for a long run of a vmpool build, as text: at least
+    three runs a side of at least 300 steps; step time at most 1.02 of
+    native's, each step's fastest run at most 1.00; the footprint at the
+    end (the highest run) at most 1.01 and at most the best of PyTorch's
+    allocators in the results; under 5 % of the steps after the settling
+    step mapping (the bar for random shapes; fixed shapes ask none after
+    each shape's first occurrence, which only the per-step counts show)."""
+    native = by_allocator["native"]
+
+    def bar(ok):
+        return "met" if ok else "NOT met"
+
+    parts = []
+    enough = min(len(runs), len(native)) >= 3 and min(r["steps"] for r in runs + native) >= 300
+    parts.append(f"{min(len(runs), len(native))} runs a side of {runs[0]['steps']} steps: {bar(enough)}")
+    speed = step_time(runs) / step_time(native)
+    parts.append(f"time {speed:.3f} <= 1.02: {bar(speed <= 1.02)}")
+    ratio = fastest_ratio(runs, native)
+    if ratio is not None:
+        parts.append(f"fastest {ratio:.3f} <= 1.00: {bar(ratio <= 1.00)}")
+    end = highest(r.get("footprint_at", {}).get("last") for r in runs)
+    if end is not None:
+        pytorch = {
+            name: highest(r.get("footprint_at", {}).get("last") for r in other)
+            for name, other in by_allocator.items()
+            if not is_vmpool(name)
+        }
+        best = min((v, k) for k, v in pytorch.items() if v is not None)
+        parts.append(
+            f"footprint {end:.4f} <= 1.01 and <= PyTorch's best ({best[1]} {best[0]:.4f}): "
+            f"{bar(end <= 1.01 and end <= best[0])}"
+        )
+    settled = [r for r in runs if r.get("driver_steps_after_settled") is not None]
+    if settled:
+        driver = sum(r["driver_steps_after_settled"] for r in settled)
+        of = sum(r["steps"] - r["settled_after"] for r in settled)
+        parts.append(f"steps mapping {100 * driver / of:.1f} % < 5 %: {bar(driver * 20 < of)}")
+    return "; ".join(parts)
 
 
 def main():
