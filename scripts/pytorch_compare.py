@@ -701,11 +701,15 @@ def issue23_verdict(runs, by_allocator):
             for name, other in by_allocator.items()
             if not is_vmpool(name)
         }
-        best = min((v, k) for k, v in pytorch.items() if v is not None)
-        parts.append(
-            f"footprint {end:.4f} <= 1.01 and <= PyTorch's best ({best[1]} {best[0]:.4f}): "
-            f"{bar(end <= 1.01 and end <= best[0])}"
-        )
+        known = [(v, k) for k, v in pytorch.items() if v is not None]
+        if known:
+            best, name = min(known)
+            parts.append(
+                f"footprint {end:.4f} <= 1.01 and <= PyTorch's best ({name} {best:.4f}): "
+                f"{bar(end <= 1.01 and end <= best)}"
+            )
+        else:
+            parts.append(f"footprint {end:.4f} <= 1.01 (no PyTorch footprint to compare): {bar(end <= 1.01)}")
     settled = [r for r in runs if r.get("driver_steps_after_settled") is not None]
     if settled:
         driver = sum(r["driver_steps_after_settled"] for r in settled)
