@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use vmpool::vmm::testing::faulty::Call;
 use vmpool::vmm::testing::TestBackend;
-use vmpool::vmm::{DeviceId, DevicePtr};
-use vmpool::{Allocation, Context, PoolAttribute, Stream};
+use vmpool::vmm::DeviceId;
+use vmpool::{Allocation, Context, PoolAttribute};
 
 #[allow(dead_code)]
 mod common;
+
+use common::{check_ends, mark_ends};
 
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
@@ -22,24 +24,6 @@ const MIB: u64 = 1 << 20;
 /// expert per layer, of a size that drifts from step to step.
 const EXPERTS: u64 = 6;
 const LAYERS: u64 = 4;
-
-fn write_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
-    b.fill_u32(s.raw(), a.ptr(), 1, word).unwrap();
-    let last = DevicePtr(a.ptr().0 + a.size() / 4 * 4 - 4);
-    b.fill_u32(s.raw(), last, 1, word).unwrap();
-}
-
-fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
-    for at in [a.ptr().0, a.ptr().0 + a.size() / 4 * 4 - 4] {
-        let mut bytes = [0u8; 4];
-        b.copy_to_host(s.raw(), DevicePtr(at), &mut bytes).unwrap();
-        assert_eq!(
-            u32::from_ne_bytes(bytes),
-            word,
-            "the bytes at {at:#x} changed"
-        );
-    }
-}
 
 /// The size of expert `e`'s activation in step `t`: 1 to 9 MiB and some
 /// KiB, a different mix every step, all growing by an eighth every eight
@@ -61,7 +45,7 @@ fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
         .map(|i| pool.allocate_async(3 * MIB + i * 100 * KIB, &s).unwrap())
         .collect();
     for (i, w) in weights.iter().enumerate() {
-        write_ends(b.as_ref(), &s, w, 0xA000 + i as u32);
+        mark_ends(b.as_ref(), &s, w, 0xA000 + i as u32);
     }
     pool.mark_step().unwrap();
     let mut kept: Vec<(u64, (Allocation, u32))> = Vec::new();
@@ -73,7 +57,7 @@ fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
             for e in 0..EXPERTS - (t + layer) % 3 {
                 let a = pool.allocate_async(expert_size(t, layer, e), &s).unwrap();
                 let word = (t * 1000 + layer * 10 + e) as u32;
-                write_ends(b.as_ref(), &s, &a, word);
+                mark_ends(b.as_ref(), &s, &a, word);
                 live.push((a, word));
             }
             // A temporary, freed at once.
@@ -140,7 +124,7 @@ fn every_injected_fault_in_drifting_steps_leaves_the_pool_consistent() {
         // that stream's guard, leaving aliases.
         let made = |size: u64, word: u32| {
             let a = pool.allocate_async(size, &s).ok()?;
-            write_ends(b.as_ref(), &s, &a, word);
+            mark_ends(b.as_ref(), &s, &a, word);
             pool.audit().unwrap();
             Some((a, word))
         };

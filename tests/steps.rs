@@ -17,7 +17,7 @@ use vmpool::{
 #[allow(dead_code)]
 mod common;
 
-use common::pool;
+use common::{check_ends, check_span_ends, mark_ends, pool};
 
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
@@ -35,32 +35,6 @@ fn start<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>) {
 fn finish<B: TestBackend>(ctx: &Context<B>, pool: &Pool<B>, s: &Stream<B>) {
     ctx.synchronize_stream(s).unwrap();
     pool.audit().unwrap();
-}
-
-/// Fills the first and last word of `a` with `word`: enough to catch two
-/// live allocations that overlap, quick on every backend.
-fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
-    b.fill_u32(s.raw(), a.ptr(), 1, word).unwrap();
-    let last = vmpool::vmm::DevicePtr(a.ptr().0 + a.size() / 4 * 4 - 4);
-    b.fill_u32(s.raw(), last, 1, word).unwrap();
-}
-
-fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
-    check_span_ends(b, s, a.ptr().0, a.size(), word);
-}
-
-/// [`check_ends`] of the `size` bytes at `ptr`.
-fn check_span_ends<B: TestBackend>(b: &B, s: &Stream<B>, ptr: u64, size: u64, word: u32) {
-    for at in [ptr, ptr + size / 4 * 4 - 4] {
-        let mut bytes = [0u8; 4];
-        b.copy_to_host(s.raw(), vmpool::vmm::DevicePtr(at), &mut bytes)
-            .unwrap();
-        assert_eq!(
-            u32::from_ne_bytes(bytes),
-            word,
-            "the bytes at {at:#x} changed"
-        );
-    }
 }
 
 /// One training-like step at scale `k`: activations made in a forward

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::testing::TestBackend;
-use vmpool::vmm::DeviceId;
-use vmpool::{Context, Pool, PoolProps};
+use vmpool::vmm::{DeviceId, DevicePtr};
+use vmpool::{Allocation, Context, Pool, PoolProps, Stream};
 
 /// A fresh host backend: two devices of 1 GiB, 2 MiB granules.
 pub fn host() -> Arc<Host> {
@@ -27,6 +27,32 @@ pub fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
         ..PoolProps::new(DeviceId(0))
     })
     .unwrap()
+}
+
+/// Fills the first and last word of `a` with `word`: enough to catch two
+/// live allocations that overlap, quick on every backend.
+pub fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    b.fill_u32(s.raw(), a.ptr(), 1, word).unwrap();
+    let last = DevicePtr(a.ptr().0 + a.size() / 4 * 4 - 4);
+    b.fill_u32(s.raw(), last, 1, word).unwrap();
+}
+
+/// Checks the words [`mark_ends`] wrote at the ends of `a`.
+pub fn check_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
+    check_span_ends(b, s, a.ptr().0, a.size(), word);
+}
+
+/// [`check_ends`] of the `size` bytes at `ptr`.
+pub fn check_span_ends<B: TestBackend>(b: &B, s: &Stream<B>, ptr: u64, size: u64, word: u32) {
+    for at in [ptr, ptr + size / 4 * 4 - 4] {
+        let mut bytes = [0u8; 4];
+        b.copy_to_host(s.raw(), DevicePtr(at), &mut bytes).unwrap();
+        assert_eq!(
+            u32::from_ne_bytes(bytes),
+            word,
+            "the bytes at {at:#x} changed"
+        );
+    }
 }
 
 /// The GPU; fails loudly when the gpu-tests feature asks for one that is
