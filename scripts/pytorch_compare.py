@@ -70,6 +70,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -641,43 +642,69 @@ def long_table(results):
         native = by_allocator.get("native")
         for allocator, runs in by_allocator.items():
             speed = fastest = "-"
+            ratio = fastest_run = None
             if allocator == "native":
                 speed = "1.000"
             elif native:
-                speed = f"{step_time(runs) / step_time(native):.3f}"
+                ratio = step_time(runs) / step_time(native)
+                speed = f"{ratio:.3f}"
                 interval = speed_interval(runs, native)
                 if interval:
                     speed += f" ({interval[0]:.3f}-{interval[1]:.3f})"
-                ratio = fastest_ratio(runs, native)
-                if ratio is not None:
-                    fastest = f"{ratio:.3f}"
+                fastest_run = fastest_ratio(runs, native)
+                if fastest_run is not None:
+                    fastest = f"{fastest_run:.3f}"
             footprints = []
             for at in [*map(str, FOOTPRINT_AT), "last"]:
-                value = highest(r.get("footprint_at", {}).get(at) for r in runs)
+                value = footprint_after(runs, at)
                 footprints.append("-" if value is None else f"{value:.4f}")
-            settled = [
-                (r["driver_steps_after_settled"], r["steps"] - r["settled_after"], r["settled_after"])
-                for r in runs
-                if r.get("driver_steps_after_settled") is not None
-            ]
-            if settled:
-                driver, of = sum(d for d, _, _ in settled), sum(n for _, n, _ in settled)
-                calls = f"{100 * driver / of:.1f} % ({driver} of {of} after step {settled[0][2]})"
-            else:
-                calls = "-"
+            driver = driver_steps(runs)
+            calls = (
+                "-"
+                if driver is None
+                else f"{100 * driver.steps / driver.of:.1f} % ({driver.steps} of {driver.of} after step {driver.after})"
+            )
             print(
                 f"| {workload} | {allocator} | {len(runs)} x {runs[0]['steps']} | {speed} | {fastest} "
                 f"| {' | '.join(footprints)} | {calls} |"
             )
-            if is_vmpool(allocator) and native:
-                print(f"|   issue 23 | {issue23_verdict(runs, by_allocator)} | | | | | | | |")
+            if is_vmpool(allocator) and ratio is not None:
+                print(f"|   issue 23 | {issue23_verdict(runs, by_allocator, ratio, fastest_run)} | | | | | | | |")
 
 
-def issue23_verdict(runs, by_allocator):
+def footprint_after(runs, at):
+    """The highest footprint of `runs` after step `at` (a step number as
+    text, or "last"); None when no run kept it."""
+    return highest(r.get("footprint_at", {}).get(at) for r in runs)
+
+
+class DriverSteps(NamedTuple):
+    """Steps that made driver calls (`steps`) of those counted (`of`): each
+    run's steps after step `after`, where the pool should have settled."""
+
+    steps: int
+    of: int
+    after: int
+
+
+def driver_steps(runs):
+    """The runs' DriverSteps; None for results from before these were kept."""
+    settled = [r for r in runs if r.get("driver_steps_after_settled") is not None]
+    if not settled:
+        return None
+    return DriverSteps(
+        steps=sum(r["driver_steps_after_settled"] for r in settled),
+        of=sum(r["steps"] - r["settled_after"] for r in settled),
+        after=settled[0]["settled_after"],
+    )
+
+
+def issue23_verdict(runs, by_allocator, speed, fastest):
     """Issue 23's bars for a long run of a vmpool build, as text: at least
-    three runs a side of at least 300 steps; step time at most 1.02 of
-    native's, each step's fastest run at most 1.00; the footprint at the
-    end (the highest run) at most 1.01 and at most the best of PyTorch's
+    three runs a side of at least 300 steps; step time (`speed`, against
+    native's) at most 1.02, each step's fastest run (`fastest`, None
+    without per-step times) at most 1.00; the footprint at the end (the
+    highest run) at most 1.01 and at most the best of PyTorch's
     allocators in the results; under 5 % of the steps after the settling
     step mapping (the bar for random shapes; fixed shapes ask none after
     each shape's first occurrence, which only the per-step counts show)."""
@@ -686,22 +713,19 @@ def issue23_verdict(runs, by_allocator):
     def bar(ok):
         return "met" if ok else "NOT met"
 
-    parts = []
-    enough = min(len(runs), len(native)) >= 3 and min(r["steps"] for r in runs + native) >= 300
-    parts.append(f"{min(len(runs), len(native))} runs a side of {runs[0]['steps']} steps: {bar(enough)}")
-    speed = step_time(runs) / step_time(native)
+    a_side = min(len(runs), len(native))
+    enough = a_side >= 3 and min(r["steps"] for r in runs + native) >= 300
+    parts = [f"{a_side} runs a side of {runs[0]['steps']} steps: {bar(enough)}"]
     parts.append(f"time {speed:.4f} <= 1.02: {bar(speed <= 1.02)}")
-    ratio = fastest_ratio(runs, native)
-    if ratio is not None:
-        parts.append(f"fastest {ratio:.4f} <= 1.00: {bar(ratio <= 1.00)}")
-    end = highest(r.get("footprint_at", {}).get("last") for r in runs)
+    if fastest is not None:
+        parts.append(f"fastest {fastest:.4f} <= 1.00: {bar(fastest <= 1.00)}")
+    end = footprint_after(runs, "last")
     if end is not None:
-        pytorch = {
-            name: highest(r.get("footprint_at", {}).get("last") for r in other)
-            for name, other in by_allocator.items()
-            if name in ("native", "expandable", "cudaMallocAsync")
-        }
-        known = [(v, k) for k, v in pytorch.items() if v is not None]
+        known = [
+            (value, name)
+            for name in ("native", "expandable", "cudaMallocAsync")
+            if name in by_allocator and (value := footprint_after(by_allocator[name], "last")) is not None
+        ]
         if known:
             best, name = min(known)
             parts.append(
@@ -710,11 +734,11 @@ def issue23_verdict(runs, by_allocator):
             )
         else:
             parts.append(f"footprint {end:.4f} <= 1.01 (no PyTorch footprint to compare): {bar(end <= 1.01)}")
-    settled = [r for r in runs if r.get("driver_steps_after_settled") is not None]
-    if settled:
-        driver = sum(r["driver_steps_after_settled"] for r in settled)
-        of = sum(r["steps"] - r["settled_after"] for r in settled)
-        parts.append(f"steps mapping {100 * driver / of:.1f} % < 5 %: {bar(driver * 20 < of)}")
+    driver = driver_steps(runs)
+    if driver is not None:
+        parts.append(
+            f"steps mapping {100 * driver.steps / driver.of:.1f} % < 5 %: {bar(driver.steps * 20 < driver.of)}"
+        )
     return "; ".join(parts)
 
 
