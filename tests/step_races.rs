@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
@@ -214,6 +214,45 @@ pub fn synchronous_passes_marked_at_the_next_allocation<B: TestBackend>(b: &Arc<
     passes_beside_threads(b, None, &[], Marks::AtTheNextAllocation);
 }
 
+/// Synchronous passes beside synchronous threads, the pool marking steps
+/// where they empty it.
+pub fn synchronous_passes_emptying_the_pool<B: TestBackend>(b: &Arc<B>) {
+    passes_beside_threads(b, None, &[], Marks::AtEmptying);
+}
+
+/// Synchronous threads that each make a [`pass`] and then wait for the
+/// others, round after round: the pool empties between rounds and marks
+/// a step there, steps that are no one thread's and repeat only now and
+/// then.
+pub fn synchronous_threads_emptying_the_pool_together<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = pool(&ctx);
+    let live = Live::default();
+    let rounds = Barrier::new(4);
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            let (pool, live, rounds) = (&pool, &live, &rounds);
+            scope.spawn(move || {
+                let c = Calls {
+                    pool,
+                    on: None,
+                    live,
+                };
+                for _ in 0..24 {
+                    pass(&c);
+                    rounds.wait();
+                }
+            });
+        }
+    });
+    let steps = pool.step_counters().steps;
+    assert!(
+        steps > 0,
+        "no step marked where the threads emptied the pool"
+    );
+    finish(&ctx, &pool, &[]);
+}
+
 /// Synchronous threads of [`churn`] beside a thread that marks steps over
 /// and over.
 pub fn synchronous_threads_beside_a_marking_thread<B: TestBackend>(b: &Arc<B>) {
@@ -281,6 +320,8 @@ pub fn threads_of_several_streams_marked<B: TestBackend>(b: &Arc<B>) {
 suites!(
     synchronous_passes_marked_beside_synchronous_threads,
     synchronous_passes_marked_at_the_next_allocation,
+    synchronous_passes_emptying_the_pool,
+    synchronous_threads_emptying_the_pool_together,
     synchronous_threads_beside_a_marking_thread,
     threads_of_one_stream_emptying_the_pool,
     threads_of_one_stream_marked,

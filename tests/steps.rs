@@ -37,14 +37,47 @@ fn finish<B: TestBackend>(ctx: &Context<B>, pool: &Pool<B>, s: &Stream<B>) {
     pool.audit().unwrap();
 }
 
+/// How a step allocates and frees: in stream order on its stream, or
+/// synchronously (`Pool::allocate`, `Pool::free`; the stream then only
+/// writes and reads the bytes, and each free follows a read of them that
+/// waits for the stream).
+#[derive(Debug, Clone, Copy)]
+enum Calls {
+    StreamOrdered,
+    Synchronous,
+}
+
+impl Calls {
+    fn allocate<B: TestBackend>(self, pool: &Pool<B>, s: &Stream<B>, size: u64) -> Allocation {
+        match self {
+            Calls::StreamOrdered => pool.allocate_async(size, s),
+            Calls::Synchronous => pool.allocate(size),
+        }
+        .unwrap()
+    }
+
+    fn free<B: TestBackend>(self, pool: &Pool<B>, s: &Stream<B>, a: Allocation) {
+        match self {
+            Calls::StreamOrdered => pool.free_async(a, s),
+            Calls::Synchronous => pool.free(a),
+        }
+        .unwrap();
+    }
+}
+
 /// One training-like step at scale `k`: activations made in a forward
 /// pass and freed in reverse, a workspace freed at once, gradients made
 /// in the backward pass and freed at its end. Every allocation is checked
 /// before its free.
 fn step<B: TestBackend>(b: &B, pool: &Pool<B>, s: &Stream<B>, k: u64) {
-    if let Some((a, word)) = step_holding(b, pool, s, k, false) {
+    step_by(b, pool, s, k, Calls::StreamOrdered);
+}
+
+/// [`step`], its calls made as `calls` says.
+fn step_by<B: TestBackend>(b: &B, pool: &Pool<B>, s: &Stream<B>, k: u64, calls: Calls) {
+    if let Some((a, word)) = step_holding(b, pool, s, k, calls, false) {
         check_ends(b, s, &a, word);
-        pool.free_async(a, s).unwrap();
+        calls.free(pool, s, a);
     }
 }
 
@@ -64,42 +97,39 @@ fn step_holding<B: TestBackend>(
     pool: &Pool<B>,
     s: &Stream<B>,
     k: u64,
+    calls: Calls,
     hold: bool,
 ) -> Option<(Allocation, u32)> {
     let mut held = None;
     let mut live: Vec<(Allocation, u32)> = Vec::new();
     for layer in 0..8u32 {
-        let a = pool
-            .allocate_async(k * (MIB + 64 * KIB * u64::from(layer)), s)
-            .unwrap();
+        let a = calls.allocate(pool, s, k * (MIB + 64 * KIB * u64::from(layer)));
         mark_ends(b, s, &a, layer);
         live.push((a, layer));
-        let workspace = pool.allocate_async(3 * MIB + 512, s).unwrap();
+        let workspace = calls.allocate(pool, s, 3 * MIB + 512);
         let word = 0xAA00 + layer;
         mark_ends(b, s, &workspace, word);
         if hold && held.is_none() {
             held = Some((workspace, word));
         } else {
             check_ends(b, s, &workspace, word);
-            pool.free_async(workspace, s).unwrap();
+            calls.free(pool, s, workspace);
         }
-        let small = pool
-            .allocate_async(4 * KIB * u64::from(layer + 1), s)
-            .unwrap();
+        let small = calls.allocate(pool, s, 4 * KIB * u64::from(layer + 1));
         mark_ends(b, s, &small, 0x5A00 + layer);
         live.push((small, 0x5A00 + layer));
     }
     let mut grads = Vec::new();
     while let Some((a, word)) = live.pop() {
-        let g = pool.allocate_async(a.size() / 2 + 256, s).unwrap();
+        let g = calls.allocate(pool, s, a.size() / 2 + 256);
         mark_ends(b, s, &g, !word);
         grads.push((g, !word));
         check_ends(b, s, &a, word);
-        pool.free_async(a, s).unwrap();
+        calls.free(pool, s, a);
     }
     for (g, word) in grads {
         check_ends(b, s, &g, word);
-        pool.free_async(g, s).unwrap();
+        calls.free(pool, s, g);
     }
     held
 }
@@ -218,6 +248,26 @@ pub fn an_unmarked_pool_emptied_each_step_lays_it_out<B: TestBackend>(b: &Arc<B>
     step(b.as_ref(), &pool, &s, 2);
     step(b.as_ref(), &pool, &s, 2);
     assert_eq!(pool.step_counters().steps, steps + 1, "the pool marked one");
+    finish(&ctx, &pool, &s);
+}
+
+/// A program that allocates and frees synchronously (`Pool::allocate`,
+/// `Pool::free`) and empties the pool after each step has its steps
+/// marked there too, and laid out.
+pub fn a_synchronous_program_emptying_each_step_lays_it_out<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, pool, s) = start(b);
+    for _ in 0..6 {
+        step_by(b.as_ref(), &pool, &s, 2, Calls::Synchronous);
+    }
+    let counters = pool.step_counters();
+    assert_eq!(counters.layouts, 1, "{counters:?}");
+    let maps = pool.stats().maps;
+    for _ in 0..4 {
+        step_by(b.as_ref(), &pool, &s, 2, Calls::Synchronous);
+    }
+    assert_eq!(pool.stats().maps, maps, "a laid-out step mapped chunks");
+    let planned = pool.step_counters().planned;
+    assert!(planned >= 4 * 40, "{planned} planned");
     finish(&ctx, &pool, &s);
 }
 
@@ -494,7 +544,14 @@ pub fn what_outlives_its_step_stays_intact<B: TestBackend>(b: &Arc<B>) {
     for i in 0..6u32 {
         // In step 3, a planned workspace lives on: its slot stays taken
         // while steps 4 and 5 want it.
-        kept.extend(step_holding(b.as_ref(), &pool, &s, 1, i == 3));
+        kept.extend(step_holding(
+            b.as_ref(),
+            &pool,
+            &s,
+            1,
+            Calls::StreamOrdered,
+            i == 3,
+        ));
         // Made like the step's own allocations, but kept past the mark.
         let a = pool.allocate_async(2 * MIB, &s).unwrap();
         mark_ends(b.as_ref(), &s, &a, 0x1000 + i);
@@ -886,6 +943,7 @@ suites!(
     a_mark_at_the_next_allocation_takes_in_the_last_frees,
     a_layout_counts_only_what_the_program_holds,
     an_unmarked_pool_emptied_each_step_lays_it_out,
+    a_synchronous_program_emptying_each_step_lays_it_out,
     a_large_step_is_planned_apart,
     emptying_marks_that_lay_nothing_out_end,
     steps_of_changing_sizes_settle_at_the_largest,

@@ -307,11 +307,10 @@ impl<B: Backend> Inner<B> {
     /// ends no pass. Before the first mark, growth must also have moved
     /// units (a loop that allocates and frees one buffer does not, and
     /// keeps its hot path as it was). If so, the next step starts (Note
-    /// [Steps at emptying]). Only a stream-ordered allocation marks.
+    /// [Steps at emptying]). A synchronous allocation (`freed`: `None`)
+    /// marks where the program's counted bytes are none.
     pub(super) fn take_emptied_mark(&mut self, freed: Option<u64>, marks: StepMarks) -> bool {
-        let Some(freed) = freed else {
-            return false;
-        };
+        let freed = freed.unwrap_or(0);
         if !self.marks_at_emptying(marks) || self.step_high < self.usage.used_high.div_ceil(2) {
             return false;
         }
