@@ -977,6 +977,22 @@ enum ModelCalls {
     /// In stream order, marking none: the pool marks a step where the
     /// program empties it (Note [Steps at emptying]).
     Unmarked,
+    /// Synchronously, marking none, as [`ModelCalls::Unmarked`].
+    SynchronousUnmarked,
+}
+
+impl ModelCalls {
+    fn synchronous(self) -> bool {
+        matches!(
+            self,
+            ModelCalls::Synchronous | ModelCalls::SynchronousUnmarked
+        )
+    }
+
+    /// Whether the program marks its steps.
+    fn marks(self) -> bool {
+        !matches!(self, ModelCalls::Unmarked | ModelCalls::SynchronousUnmarked)
+    }
 }
 
 /// How the model test's program ends a step.
@@ -1089,7 +1105,7 @@ impl<B: TestBackend> ModelProgram<'_, B> {
     }
 
     fn allocate(&mut self, size: u64) -> Result<(Allocation, u32), TestCaseError> {
-        let a = if self.calls == ModelCalls::Synchronous {
+        let a = if self.calls.synchronous() {
             self.pool.allocate(size).unwrap()
         } else {
             self.pool.allocate_async(size, self.s).unwrap()
@@ -1129,7 +1145,7 @@ impl<B: TestBackend> ModelProgram<'_, B> {
         check_ends(self.b, self.s, &a, word);
         self.live.remove(&a.ptr().0);
         self.holds -= a.size().next_multiple_of(256);
-        if self.calls == ModelCalls::Synchronous {
+        if self.calls.synchronous() {
             self.pool.free(a).unwrap();
         } else if away {
             self.freed_away = true;
@@ -1148,7 +1164,7 @@ proptest! {
 
     /// Runs of steps drawn from three templates, at random scales, called
     /// in stream order or synchronously, marked now or at the next
-    /// allocation or (unmarked) where the pool empties, some holding an
+    /// allocation or (unmarked, either way) where the pool empties, some holding an
     /// allocation past their end or into the next step, leaving one out,
     /// freeing one on another stream, trimming the pool or sleeping it
     /// (keeping its bytes) between steps: no allocation
@@ -1163,6 +1179,7 @@ proptest! {
             2 => Just(ModelCalls::Marked),
             1 => Just(ModelCalls::Synchronous),
             1 => Just(ModelCalls::Unmarked),
+            1 => Just(ModelCalls::SynchronousUnmarked),
         ],
     ) {
         let b = common::host();
@@ -1191,7 +1208,7 @@ proptest! {
         };
         let mut held = Vec::new();
         let mut carried: Vec<(Allocation, u32)> = Vec::new();
-        let marks = calls != ModelCalls::Unmarked;
+        let marks = calls.marks();
         if marks {
             pool.mark_step().unwrap();
         }
