@@ -107,16 +107,25 @@ impl<B: Backend> Growth<'_, B> {
             scope => self.free_units(mover, scope),
         };
         let started = Instant::now();
-        let plan = match self.plan(arena, size, &free)? {
-            Growing::Range(plan) => plan,
-            Growing::Bridge(bridge) => {
-                let block = self.bridge(arena, size, &bridge, &free, started)?;
-                self.counters.grows += 1;
-                return Ok(block);
-            }
+        let block = match self.plan(arena, size, &free)? {
+            Growing::Range(plan) => self.range(arena, size, &plan, &free, started)?,
+            Growing::Bridge(bridge) => self.bridge(arena, size, &bridge, &free, started)?,
         };
-        let block = self.map_range(arena, &plan, &free)?;
         self.counters.grows += 1;
+        Ok(block)
+    }
+
+    /// Carries out a growth's `plan` for a `size`-byte request (see
+    /// [`Growth::map_range`]), and logs it.
+    fn range(
+        &mut self,
+        arena: ArenaId,
+        size: u64,
+        plan: &Plan,
+        free: &[FreeUnit],
+        started: Instant,
+    ) -> Result<BlockId> {
+        let block = self.map_range(arena, plan, free)?;
         // One event per growth; the chunks it created or moved are logged
         // one by one at trace.
         let count = |f: fn(&Source) -> bool| plan.sources.iter().filter(|s| f(s)).count();
