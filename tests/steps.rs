@@ -982,11 +982,11 @@ enum ModelCalls {
 }
 
 impl ModelCalls {
-    fn synchronous(self) -> bool {
-        matches!(
-            self,
-            ModelCalls::Synchronous | ModelCalls::SynchronousUnmarked
-        )
+    fn order(self) -> Calls {
+        match self {
+            ModelCalls::Synchronous | ModelCalls::SynchronousUnmarked => Calls::Synchronous,
+            ModelCalls::Marked | ModelCalls::Unmarked => Calls::StreamOrdered,
+        }
     }
 
     /// Whether the program marks its steps.
@@ -1105,11 +1105,7 @@ impl<B: TestBackend> ModelProgram<'_, B> {
     }
 
     fn allocate(&mut self, size: u64) -> Result<(Allocation, u32), TestCaseError> {
-        let a = if self.calls.synchronous() {
-            self.pool.allocate(size).unwrap()
-        } else {
-            self.pool.allocate_async(size, self.s).unwrap()
-        };
+        let a = self.calls.order().allocate(self.pool, self.s, size);
         let (at, end) = (a.ptr().0, a.ptr().0 + a.size());
         let before = self.live.range(..=at).next_back();
         prop_assert!(
@@ -1145,16 +1141,15 @@ impl<B: TestBackend> ModelProgram<'_, B> {
         check_ends(self.b, self.s, &a, word);
         self.live.remove(&a.ptr().0);
         self.holds -= a.size().next_multiple_of(256);
-        if self.calls.synchronous() {
-            self.pool.free(a).unwrap();
-        } else if away {
-            self.freed_away = true;
-            let e = self.ctx.create_event(DEV).unwrap();
-            self.ctx.record_event(&e, self.s).unwrap();
-            self.ctx.stream_wait_event(self.other, &e).unwrap();
-            self.pool.free_async(a, self.other).unwrap();
-        } else {
-            self.pool.free_async(a, self.s).unwrap();
+        match (self.calls.order(), away) {
+            (Calls::StreamOrdered, true) => {
+                self.freed_away = true;
+                let e = self.ctx.create_event(DEV).unwrap();
+                self.ctx.record_event(&e, self.s).unwrap();
+                self.ctx.stream_wait_event(self.other, &e).unwrap();
+                self.pool.free_async(a, self.other).unwrap();
+            }
+            (order, _) => order.free(self.pool, self.s, a),
         }
     }
 }
@@ -1164,11 +1159,11 @@ proptest! {
 
     /// Runs of steps drawn from three templates, at random scales, called
     /// in stream order or synchronously, marked now or at the next
-    /// allocation or (unmarked, either way) where the pool empties, some holding an
-    /// allocation past their end or into the next step, leaving one out,
-    /// freeing one on another stream, trimming the pool or sleeping it
-    /// (keeping its bytes) between steps: no allocation
-    /// ever overlaps a live one, each keeps the words written at its ends
+    /// allocation or (unmarked, either way) where the pool empties, some
+    /// holding an allocation past their end or into the next step, leaving
+    /// one out, freeing one on another stream, trimming the pool or
+    /// sleeping it (keeping its bytes) between steps: no allocation ever
+    /// overlaps a live one, each keeps the words written at its ends
     /// until its free, the pool's tables stay consistent, and its used
     /// bytes are what the program holds, and at their most what it held
     /// (or a little more, as [`ModelProgram::counts`] says).
