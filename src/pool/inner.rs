@@ -307,10 +307,9 @@ impl<B: Backend> Inner<B> {
     /// ends no pass. Before the first mark, growth must also have moved
     /// units (a loop that allocates and frees one buffer does not, and
     /// keeps its hot path as it was). If so, the next step starts (Note
-    /// [Steps at emptying]). A synchronous allocation (`freed`: `None`)
+    /// [Steps at emptying]). A synchronous allocation (`freed`: 0)
     /// marks where the program's counted bytes are none.
-    pub(super) fn take_emptied_mark(&mut self, freed: Option<u64>, marks: StepMarks) -> bool {
-        let freed = freed.unwrap_or(0);
+    pub(super) fn take_emptied_mark(&mut self, freed: u64, marks: StepMarks) -> bool {
         if !self.marks_at_emptying(marks) || self.step_high < self.usage.used_high.div_ceil(2) {
             return false;
         }
@@ -323,11 +322,11 @@ impl<B: Backend> Inner<B> {
     }
 
     /// What the allocating stream freed since the pool last settled the
-    /// streams' credit (`None` for a synchronous call): read once a locked
-    /// allocation, for both [`Inner::take_emptied_mark`] and
-    /// [`Inner::allocate`].
-    pub(super) fn freed_by(&self, stream: Option<&Arc<StreamShared<B>>>) -> Option<u64> {
-        stream.map(|s| self.streams.credit_high(s))
+    /// streams' credit (0 for a synchronous call, which leaves nothing
+    /// pending): read once a locked allocation, for both
+    /// [`Inner::take_emptied_mark`] and [`Inner::allocate`].
+    pub(super) fn freed_by(&self, stream: Option<&Arc<StreamShared<B>>>) -> u64 {
+        stream.map_or(0, |s| self.streams.credit_high(s))
     }
 
     /// Whether an emptying would mark a step: the program has held bytes
@@ -369,7 +368,7 @@ impl<B: Backend> Inner<B> {
         &mut self,
         size: u64,
         stream: Option<&Arc<StreamShared<B>>>,
-        freed: Option<u64>,
+        freed: u64,
     ) -> Result<Pending> {
         if self.emptied(freed) {
             self.start_afresh(stream)?;
@@ -388,12 +387,12 @@ impl<B: Backend> Inner<B> {
     /// the pool last counted, by what the allocating stream freed alone,
     /// with growth having moved units since the pool last started afresh
     /// (Note [Starting afresh]).
-    fn emptied(&self, freed: Option<u64>) -> bool {
+    fn emptied(&self, freed: u64) -> bool {
         if !self.may_start_afresh() {
             return false;
         }
         let held = self.usage.used - self.usage.idle;
-        freed.unwrap_or(0) >= held
+        freed >= held
     }
 
     /// Whether the program holds no byte of the pool now, with growth
