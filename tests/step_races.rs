@@ -17,7 +17,7 @@ use vmpool::{Allocation, Context, Pool, PoolAttribute, Stream};
 #[allow(dead_code)]
 mod common;
 
-use common::pool;
+use common::{allocate_on, free_on, pool};
 
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
@@ -55,20 +55,14 @@ struct Calls<'t, B: TestBackend> {
 
 impl<B: TestBackend> Calls<'_, B> {
     fn allocate(&self, size: u64) -> Allocation {
-        let a = match self.on {
-            None => self.pool.allocate(size).unwrap(),
-            Some(s) => self.pool.allocate_async(size, s).unwrap(),
-        };
+        let a = allocate_on(self.pool, self.on, size);
         self.live.allocated(&a);
         a
     }
 
     fn free(&self, a: Allocation) {
         self.live.freed(&a);
-        match self.on {
-            None => self.pool.free(a).unwrap(),
-            Some(s) => self.pool.free_async(a, s).unwrap(),
-        }
+        free_on(self.pool, self.on, a);
     }
 }
 

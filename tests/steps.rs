@@ -17,7 +17,7 @@ use vmpool::{
 #[allow(dead_code)]
 mod common;
 
-use common::{check_ends, check_span_ends, mark_ends, pool};
+use common::{allocate_on, check_ends, check_span_ends, free_on, mark_ends, pool};
 
 const DEV: DeviceId = DeviceId(0);
 const KIB: u64 = 1 << 10;
@@ -48,20 +48,20 @@ enum Calls {
 }
 
 impl Calls {
-    fn allocate<B: TestBackend>(self, pool: &Pool<B>, s: &Stream<B>, size: u64) -> Allocation {
+    /// The stream the calls go on: `s`, or none.
+    fn on<B: TestBackend>(self, s: &Stream<B>) -> Option<&Stream<B>> {
         match self {
-            Calls::StreamOrdered => pool.allocate_async(size, s),
-            Calls::Synchronous => pool.allocate(size),
+            Calls::StreamOrdered => Some(s),
+            Calls::Synchronous => None,
         }
-        .unwrap()
+    }
+
+    fn allocate<B: TestBackend>(self, pool: &Pool<B>, s: &Stream<B>, size: u64) -> Allocation {
+        allocate_on(pool, self.on(s), size)
     }
 
     fn free<B: TestBackend>(self, pool: &Pool<B>, s: &Stream<B>, a: Allocation) {
-        match self {
-            Calls::StreamOrdered => pool.free_async(a, s),
-            Calls::Synchronous => pool.free(a),
-        }
-        .unwrap();
+        free_on(pool, self.on(s), a);
     }
 }
 

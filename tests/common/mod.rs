@@ -29,6 +29,29 @@ pub fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
     .unwrap()
 }
 
+/// Allocates `size` bytes of `pool`: in stream order on `on`, or
+/// synchronously (`None`).
+pub fn allocate_on<B: TestBackend>(
+    pool: &Pool<B>,
+    on: Option<&Stream<B>>,
+    size: u64,
+) -> Allocation {
+    match on {
+        Some(s) => pool.allocate_async(size, s),
+        None => pool.allocate(size),
+    }
+    .unwrap()
+}
+
+/// Frees `a` as [`allocate_on`] allocates.
+pub fn free_on<B: TestBackend>(pool: &Pool<B>, on: Option<&Stream<B>>, a: Allocation) {
+    match on {
+        Some(s) => pool.free_async(a, s),
+        None => pool.free(a),
+    }
+    .unwrap();
+}
+
 /// Fills the first and last word of `a` with `word`: enough to catch two
 /// live allocations that overlap, quick on every backend.
 pub fn mark_ends<B: TestBackend>(b: &B, s: &Stream<B>, a: &Allocation, word: u32) {
