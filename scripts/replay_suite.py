@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Replays every trace of docs/RESULTS.md's "Real traces miss it too" on the
 host backend and sums them up: the footprint of the first pass and of the
-last of several passes on one pool, and the estimated driver time.
+last of several passes on one pool, the estimated driver time, and for
+the traces of long runs (more than LONG_RUN steps marked) how many of the
+first pass's steps after step 50 map chunks (issue 23's settling bar: under
+5 %).
 
 The set: training, the two reference traces (gpt2_train and resnet_train,
 in the folder --shared DIR or VMPOOL_EXTRA_TRACES names), those recorded
@@ -27,6 +30,20 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Steps after which the settling bar counts, as pytorch_compare.py's long
+# runs do; a trace with more steps marked than LONG_RUN is a long run.
+SETTLED_AFTER = 50
+LONG_RUN = 100
+
+
+def settling(result):
+    """(steps after SETTLED_AFTER that mapped chunks, steps after it) of a
+    replay's first pass, or None for a trace that is no long run."""
+    maps = result["step_maps"]
+    if len(maps) <= LONG_RUN:
+        return None
+    later = maps[SETTLED_AFTER:]
+    return sum(1 for m in later if m > 0), len(later)
 
 
 def variants(trace, outdir):
@@ -93,11 +110,16 @@ def main():
             "last": b["pass_ratios"][-1],
             "est_first_ms": a["est_driver_us"] / 1000,
             "est_later_ms": (b["est_driver_us"] - a["est_driver_us"]) / later / 1000,
+            "settling": settling(a),
         }
         rows.append(row)
+        settled = ""
+        if row["settling"]:
+            mapping, steps = row["settling"]
+            settled = f"  steps mapping after {SETTLED_AFTER}: {mapping} of {steps} ({100 * mapping / steps:.1f} %)"
         print(
             f"{name:32} {'so' if so else 'sync':4} pass 1 {row['first']:.4f}  pass {args.passes} {row['last']:.4f}"
-            f"  est. driver: pass 1 {row['est_first_ms']:7.1f} ms, later {row['est_later_ms']:6.1f} ms a pass"
+            f"  est. driver: pass 1 {row['est_first_ms']:7.1f} ms, later {row['est_later_ms']:6.1f} ms a pass{settled}"
         )
     training = [r for r in rows if not r["generation"]]
     generation = [r for r in rows if r["generation"]]
@@ -110,6 +132,13 @@ def main():
             f" pass {args.passes} mean {statistics.mean(lasts):.4f} max {max(lasts):.4f};"
             f" est. driver: pass 1 total {sum(r['est_first_ms'] for r in group):.0f} ms,"
             f" later {sum(r['est_later_ms'] for r in group):.1f} ms a pass"
+        )
+    long_runs = [r["settling"] for r in rows if r["settling"]]
+    if long_runs:
+        print(
+            f"long runs: steps mapping after step {SETTLED_AFTER}"
+            f" {min(m / n for m, n in long_runs):.1%}-{max(m / n for m, n in long_runs):.1%}"
+            f" (under 5 %: {sum(m * 20 < n for m, n in long_runs)} of {len(long_runs)})"
         )
 
 
