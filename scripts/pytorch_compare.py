@@ -396,6 +396,37 @@ def fastest_ratio(runs, native_runs):
     return fastest(runs) / fastest(native_runs)
 
 
+# Where the gap to native's time is split: the steps after the warm-up
+# up to the first of these, between them, and from the last on.
+GAP_SPANS = (10, 50)
+
+
+def time_gap(runs, native_runs):
+    """Where `runs` lose or gain time against `native_runs`, as text: each
+    step's median run less native's, summed over the spans GAP_SPANS
+    cuts the timed steps into, in ms and as a share of native's time from
+    the warm-up on; and the costliest step. None without per-step times."""
+    if not all("step_ms" in r for r in runs + native_runs):
+        return None
+
+    def medians(rs):
+        return [statistics.median(times) for times in zip(*(r["step_ms"] for r in rs))]
+
+    ours, theirs = medians(runs), medians(native_runs)
+    steps = min(len(ours), len(theirs))
+    if steps <= WARMUP:
+        return None
+    gap = [ours[i] - theirs[i] for i in range(steps)]
+    total = sum(theirs[WARMUP:steps])
+    edges = [WARMUP, *(e for e in GAP_SPANS if WARMUP < e < steps), steps]
+    spans = [
+        f"steps {a}-{b - 1} {sum(gap[a:b]):+.0f} ms ({100 * sum(gap[a:b]) / total:+.2f} %)"
+        for a, b in zip(edges, edges[1:])
+    ]
+    worst = max(range(WARMUP, steps), key=lambda i: gap[i])
+    return f"{', '.join(spans)} of native's {total / 1000:.1f} s; the costliest step {worst}, {gap[worst]:+.0f} ms"
+
+
 def fmt_ms(ms):
     return "-" if ms is None else f"{ms:.2f} ms"
 
@@ -670,6 +701,9 @@ def long_table(results):
             )
             if is_vmpool(allocator) and ratio is not None:
                 print(f"|   issue 23 | {issue23_verdict(runs, by_allocator, ratio, fastest_run)} | | | | | | | |")
+                gap = time_gap(runs, native)
+                if gap is not None:
+                    print(f"|   time gap | {gap} | | | | | | | |")
 
 
 def footprint_after(runs, at):
