@@ -137,7 +137,7 @@ def main():
     if long_runs:
         print(
             f"long runs: steps mapping after step {SETTLED_AFTER}"
-            f" {min(m / n for m, n in long_runs):.1%}-{max(m / n for m, n in long_runs):.1%}"
+            f" {min(100 * m / n for m, n in long_runs):.1f}-{max(100 * m / n for m, n in long_runs):.1f} %"
             f" (under 5 %: {sum(m * 20 < n for m, n in long_runs)} of {len(long_runs)})"
         )
 
