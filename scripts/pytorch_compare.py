@@ -351,6 +351,11 @@ def is_vmpool(allocator):
     )
 
 
+def step_medians(runs):
+    """Each step's median over `runs` (ms), which all kept `step_ms`."""
+    return [statistics.median(times) for times in zip(*(r["step_ms"] for r in runs))]
+
+
 def step_time(runs):
     """Each timed step's median over the runs, averaged over the steps (ms).
     Every run of a workload takes the same shapes in the same order (same
@@ -360,7 +365,7 @@ def step_time(runs):
     if not all("step_ms" in r for r in runs):
         # Results from before step times were kept: the median run.
         return statistics.median(r["ms_per_step"] for r in runs)
-    steps = [statistics.median(times) for times in zip(*(r["step_ms"] for r in runs))]
+    steps = step_medians(runs)
     return statistics.fmean(steps[WARMUP:] or steps)
 
 
@@ -408,11 +413,7 @@ def time_gap(runs, native_runs):
     the warm-up on; and the costliest step. None without per-step times."""
     if not all("step_ms" in r for r in runs + native_runs):
         return None
-
-    def medians(rs):
-        return [statistics.median(times) for times in zip(*(r["step_ms"] for r in rs))]
-
-    ours, theirs = medians(runs), medians(native_runs)
+    ours, theirs = step_medians(runs), step_medians(native_runs)
     steps = min(len(ours), len(theirs))
     if steps <= WARMUP:
         return None
