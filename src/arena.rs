@@ -60,6 +60,38 @@ pub(crate) enum RunStage {
     Later,
 }
 
+/// Whether a step layout is under way as a step is marked: one serves,
+/// waits for its region or is being planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LayoutAtMark {
+    UnderWay,
+    None,
+}
+
+/// Where a small request goes that the small arena's free memory cannot
+/// serve (Note [Placement], "Small requests in the large arena").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SmallOverflow {
+    /// The small arena grows.
+    Grow,
+    /// The large arena's free memory first; growth only if it has none.
+    LargeFirst,
+}
+
+impl SmallOverflow {
+    /// The rule from a mark on: the large arena's free memory once the
+    /// first steps are over (what they make, weights and optimizer state,
+    /// lives on, where the steps' memory should be) and while no layout is
+    /// under way (its region would find small allocations in its way).
+    pub(crate) fn at_mark(stage: RunStage, layout: LayoutAtMark) -> Self {
+        if stage == RunStage::Later && layout == LayoutAtMark::None {
+            Self::LargeFirst
+        } else {
+            Self::Grow
+        }
+    }
+}
+
 /// Steps marked before growth takes the divisor's chunks: the first sets
 /// up what the run keeps (weights, optimizer state), the second is the
 /// first that repeats.

@@ -26,11 +26,11 @@ const EXPERTS: u64 = 6;
 const LAYERS: u64 = 4;
 
 /// The size of expert `e`'s activation in step `t`: 1 to 9 MiB and some
-/// KiB, a different mix every step, all growing by an eighth every eight
+/// KiB, a different mix every step, all growing by an eighth every four
 /// steps (new largest sizes keep coming, and growth with them).
 fn expert_size(t: u64, layer: u64, e: u64) -> u64 {
     let h = (t * 7 + layer * 13 + e * 29) % 17;
-    (MIB + h * 512 * KIB + (t * 31 + e) % 64 * KIB) * (8 + t / 8) / 8
+    (MIB + h * 512 * KIB + (t * 31 + e) % 64 * KIB) * (8 + t / 4) / 8
 }
 
 fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
@@ -64,9 +64,9 @@ fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
             let tmp = pool.allocate_async((t % 5 + 1) * 700 * KIB, &s).unwrap();
             pool.free_async(tmp, &s).unwrap();
         }
-        // Every fifth step keeps one activation for seven steps (a cache
+        // Every third step keeps one activation for seven steps (a cache
         // the loop holds), between the memory of the others.
-        if t % 5 == 0 {
+        if t % 3 == 0 {
             kept.push((t + 7, live.swap_remove(live.len() / 2)));
         }
         while let Some((a, word)) = live.pop() {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vmm::{Backend, ErrorKind};
 
-use crate::arena::{ArenaId, Arenas, RunStage, FIRST_STEPS};
+use crate::arena::{ArenaId, Arenas, LayoutAtMark, RunStage, SmallOverflow, FIRST_STEPS};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
@@ -136,6 +136,8 @@ pub(super) struct Inner<B: Backend> {
     steps_marked: u32,
     /// Chunks created when the pool last counted a mark.
     created_at_mark: u64,
+    /// Set at each mark.
+    small_overflow: SmallOverflow,
     pub(super) defragment: Defragment,
     fresh_start: FreshStart,
     /// The pool's id, for the logs.
@@ -182,6 +184,7 @@ impl<B: Backend> Inner<B> {
             remaps_at_mark: 0,
             steps_marked: 0,
             created_at_mark: 0,
+            small_overflow: SmallOverflow::Grow,
             defragment,
             fresh_start,
             pool,
@@ -197,6 +200,7 @@ impl<B: Backend> Inner<B> {
 
     /// The parts growth and trimming change, borrowed together.
     pub(super) fn growth(&mut self) -> Growth<'_, B> {
+        let stage = self.stage();
         Growth {
             space: &mut self.space,
             arenas: &mut self.arenas,
@@ -204,11 +208,15 @@ impl<B: Backend> Inner<B> {
             counters: &mut self.growth,
             defragment: self.defragment,
             pool: self.pool,
-            stage: if self.steps_marked < FIRST_STEPS {
-                RunStage::FirstSteps
-            } else {
-                RunStage::Later
-            },
+            stage,
+        }
+    }
+
+    fn stage(&self) -> RunStage {
+        if self.steps_marked < FIRST_STEPS {
+            RunStage::FirstSteps
+        } else {
+            RunStage::Later
         }
     }
 
@@ -218,9 +226,11 @@ impl<B: Backend> Inner<B> {
     /// whole free regions into one range (Note [Growth and remapping],
     /// "Gathering at marks"). A gathering that fails leaves the tables
     /// consistent and every chunk accounted for, and the mark goes on: it
-    /// is logged, not returned.
-    pub(super) fn step_marked(&mut self, end: StepEnd) {
+    /// is logged, not returned. `layout` sets where small requests go
+    /// until the next mark.
+    pub(super) fn step_marked(&mut self, end: StepEnd, layout: LayoutAtMark) {
         self.steps_marked = (self.steps_marked + 1).min(FIRST_STEPS);
+        self.small_overflow = SmallOverflow::at_mark(self.stage(), layout);
         let created = self.space.counters.chunks_created;
         if end == StepEnd::Program
             && self.steps_marked >= FIRST_STEPS
@@ -507,6 +517,11 @@ impl<B: Backend> Inner<B> {
                 if let Some(found) = self.take_from_heap(arena, request)? {
                     return Ok(Some(found.pending(arena, size)));
                 }
+            }
+        }
+        if arena == ArenaId::Small && self.small_overflow == SmallOverflow::LargeFirst {
+            if let Some(found) = self.take_from_heap(ArenaId::Large, request)? {
+                return Ok(Some(found.pending(ArenaId::Large, size)));
             }
         }
         Ok(None)

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use vmm::Backend;
 
 use crate::allocation::Allocation;
+use crate::arena::LayoutAtMark;
 use crate::capture::Captures;
 use crate::heap::{BlockId, QUANTUM};
 use crate::ordering::{Pending, Stream, StreamShared};
@@ -228,14 +229,19 @@ impl<B: Backend> Pool<B> {
             return Ok(());
         }
         self.0.stepping.store(true, Ordering::Release);
-        let (wants, given_up, stream) = {
+        let (wants, layout, given_up, stream) = {
             let mut st = lock(&self.0.steps);
             if by == MarkedBy::Program && st.steps.defer_mark() {
                 return Ok(());
             }
             let wants = st.steps.mark();
+            let layout = if wants.is_none() && st.steps.lays_out_nothing() {
+                LayoutAtMark::None
+            } else {
+                LayoutAtMark::UnderWay
+            };
             if by == MarkedBy::Emptying {
-                st.unlaid_marks = if wants.is_none() && st.steps.lays_out_nothing() {
+                st.unlaid_marks = if layout == LayoutAtMark::None {
                     st.unlaid_marks + 1
                 } else {
                     0
@@ -259,14 +265,14 @@ impl<B: Backend> Pool<B> {
                 // The next step's first allocation picks the stream.
                 st.stream = None;
             }
-            (wants, given_up, stream)
+            (wants, layout, given_up, stream)
         };
         let end = if by == MarkedBy::Emptying {
             StepEnd::Emptied
         } else {
             StepEnd::Program
         };
-        self.lock().step_marked(end);
+        self.lock().step_marked(end, layout);
         // Regions given up go first, so that a new one can take their place.
         self.free_given_up(given_up);
         let Some(len) = wants else {
