@@ -61,7 +61,8 @@ pub(crate) enum RunStage {
 }
 
 /// Whether a step layout is under way as a step is marked: one serves,
-/// waits for its region or is being planned.
+/// waits for its region or is being planned, or parts of one given up
+/// are still to be freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LayoutAtMark {
     UnderWay,

@@ -136,7 +136,8 @@ pub(super) struct Inner<B: Backend> {
     steps_marked: u32,
     /// Chunks created when the pool last counted a mark.
     created_at_mark: u64,
-    /// Set at each mark.
+    /// Where a small request goes that the small arena's free memory
+    /// cannot serve, set at each mark ([`SmallOverflow::at_mark`]).
     small_overflow: SmallOverflow,
     pub(super) defragment: Defragment,
     fresh_start: FreshStart,
