@@ -104,7 +104,9 @@ pub struct PoolStats {
     /// Freed in stream order, waiting for their stream to pass the free.
     pub pending_bytes: u64,
     /// Old places of units moved while their stream could still use them:
-    /// mapped (to the same memory as the new place) until it passes.
+    /// mapped (to the same memory as the new place) until it passes them,
+    /// then until the pool's next growth or trim unmaps them with its own
+    /// driver calls.
     pub aliased_bytes: u64,
     /// The pool is asleep (`Pool::sleep`): its units are released.
     pub asleep: bool,

@@ -170,6 +170,104 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// The old places of units moved under a stream's queued work stay
+/// mapped after the stream passes them, until the pool's next growth or
+/// trim: their unmaps join driver calls made anyway, and a step that
+/// follows a growth, served from free memory, calls the driver for none.
+pub fn passed_aliases_unmap_with_the_next_growth<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, _) = setup(b, ALL_OFF);
+    let pool = ctx
+        .create_pool(&PoolProps {
+            chunk_size: Some(2 * MIB),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    // No trim when a stream passes: only growth may unmap.
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    let sizes = [4 * MIB, 2 * MIB, 4 * MIB, 2 * MIB];
+    let mut blocks: Vec<Allocation> = sizes
+        .iter()
+        .map(|&size| pool.allocate_async(size, &s).unwrap())
+        .collect();
+    b.delay(s.raw(), LATE).unwrap();
+    let d = blocks.pop().unwrap();
+    let c = blocks.pop().unwrap();
+    let bb = blocks.pop().unwrap();
+    let a = blocks.pop().unwrap();
+    pool.free_async(a, &s).unwrap();
+    pool.free_async(c, &s).unwrap();
+    // The four free units move under the stream's work: four aliases.
+    let big = pool.allocate_async(8 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
+    pool.free_async(d, &s).unwrap();
+    ctx.synchronize_stream(&s).unwrap();
+    let passed = pool.stats();
+    assert_eq!(passed.pending_bytes, 0);
+    assert_eq!(
+        passed.aliased_bytes,
+        8 * MIB,
+        "mapped until the next growth"
+    );
+    pool.audit().unwrap();
+    // Served from d's free unit: no driver call, the aliases stay.
+    let again = pool.allocate_async(2 * MIB, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.maps, st.unmaps), (passed.maps, passed.unmaps));
+    assert_eq!(st.aliased_bytes, 8 * MIB);
+    // A growth unmaps them with its own maps.
+    let grown = pool.allocate_async(4 * MIB, &s).unwrap();
+    let st = pool.stats();
+    assert!(st.maps > passed.maps, "the growth maps");
+    assert!(
+        st.unmaps >= passed.unmaps + 4,
+        "and unmaps the four aliases"
+    );
+    assert_eq!(st.aliased_bytes, 0);
+    pool.audit().unwrap();
+    fill(&**b, &s, &grown, 0x6E);
+    assert_holds(&**b, &s, &grown, 0x6E);
+    for x in [big, bb, again, grown] {
+        pool.free_async(x, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.reserved_bytes, st.aliased_bytes), (0, 0));
+    pool.audit().unwrap();
+}
+
+/// Aliases that their streams passed, with nothing else holding their
+/// chunks, go at a trim: the pool gives every byte back.
+pub fn a_trim_unmaps_passed_aliases<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, _) = setup(b, ALL_OFF);
+    let pool = ctx
+        .create_pool(&PoolProps {
+            chunk_size: Some(2 * MIB),
+            ..PoolProps::new(DEV)
+        })
+        .unwrap();
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    let a = pool.allocate_async(4 * MIB, &s).unwrap();
+    let keep = pool.allocate_async(2 * MIB, &s).unwrap();
+    b.delay(s.raw(), LATE).unwrap();
+    pool.free_async(a, &s).unwrap();
+    let big = pool.allocate_async(6 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 4 * MIB);
+    for x in [big, keep] {
+        pool.free_async(x, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 4 * MIB);
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.reserved_bytes, st.aliased_bytes), (0, 0));
+    pool.audit().unwrap();
+}
+
 /// Defragmenting under a stream that runs behind: the free chunks under
 /// its own frees move to build a larger range at once, without new memory
 /// and without waiting; their old places stay mapped until it passes them.
@@ -496,6 +594,8 @@ suites!(
     same_stream_reuse_without_synchronization,
     own_frees_are_reused_at_any_size,
     own_frees_move_before_the_stream_passes,
+    passed_aliases_unmap_with_the_next_growth,
+    a_trim_unmaps_passed_aliases,
     cross_stream_race_with_switches_on,
     cross_stream_race_with_switches_off,
     internal_dependency_reuses_instead_of_growing,

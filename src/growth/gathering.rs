@@ -32,8 +32,11 @@ impl<B: Backend> Growth<'_, B> {
         let total = free.iter().map(|u| u.len).sum();
         let arena = ArenaId::Large;
         let started = Instant::now();
+        // Passed aliases go with this driver work, as in growth; before
+        // the plan nothing is unmapped, for a gathering may not happen.
         match self.plan(arena, total, &free)? {
             Growing::Range(plan) if plan.created() == 0 => {
+                self.space.unmap_passed_aliases();
                 self.map_range(arena, &plan, &free)?;
             }
             // A large gathering may join the regions where they lie, by
@@ -41,6 +44,7 @@ impl<B: Backend> Growth<'_, B> {
             // "Bridges"), releasing as much as it creates. A bridge of no
             // hole is a run of free blocks that holds as much already.
             Growing::Bridge(bridge) if bridge.created() == 0 && !bridge.holes.is_empty() => {
+                self.space.unmap_passed_aliases();
                 self.bridge(arena, total, &bridge, &free, started)?;
             }
             _ => return Ok(false),

@@ -101,6 +101,11 @@ impl<B: Backend> Growth<'_, B> {
         size: u64,
         mover: Option<u64>,
     ) -> Result<BlockId> {
+        // Aliases their streams have passed go first: their unmaps join
+        // this driver work (Note [Guards and aliases], "Unmapped with
+        // other work"), and a chunk only an alias held is spare for the
+        // plan.
+        self.space.unmap_passed_aliases();
         // Without defragmentation, nothing unused is moved: new memory only.
         let free = match self.defragment {
             Defragment::Off => Vec::new(),

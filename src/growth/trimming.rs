@@ -39,6 +39,9 @@ impl<B: Backend> Growth<'_, B> {
         }
         let started = Instant::now();
         self.counters.trims += 1;
+        // Passed aliases go first: a chunk only an alias held is spare
+        // then, and a free unit's chunk is mapped nowhere else.
+        self.space.unmap_passed_aliases();
         // Spare chunks and free units can go, largest first.
         let mut candidates: Vec<(u64, Option<FreeUnit>)> = self
             .space

@@ -659,7 +659,7 @@ impl<B: Backend> Inner<B> {
             return;
         }
         self.guards.release(stream, upto);
-        self.space.retire_aliases(stream, upto);
+        self.space.pass_aliases(stream, upto);
         let guarded = self.guards.any_of(stream) || self.space.has_aliases_of(stream);
         let mut released = std::mem::take(&mut self.released);
         if let Some(gone) = self.streams.release(stream, upto, guarded, &mut released) {

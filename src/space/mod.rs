@@ -6,7 +6,8 @@
 //! ```text
 //!  reservation  [base ................................................. base+va_size)
 //!  units        [unit A ][unit B      ]      [unit C]      (each one whole chunk)
-//!  aliases                     [old place of a moved unit] (mapped until its stream passes)
+//!  aliases                     [old place of a moved unit] (mapped until its stream passes,
+//!                                                          then until the next driver work)
 //!  spares       chunks not mapped anywhere, kept for reuse
 //!  parked       spare chunks a fresh start left mapped where they were
 //!  quarantine   mappings the driver would neither unmap nor give access to
@@ -32,11 +33,23 @@ use crate::va::Va;
 use crate::{Error, Result};
 
 /// The old place of a unit moved while its stream could still use it: its
-/// chunk is mapped at the new place as well, and this mapping goes once
-/// the stream passes `until` (Note [Guards and aliases] in docs/DESIGN.md).
+/// chunk is mapped at the new place as well, and this mapping stays
+/// until the stream passes it, then until the space's next driver work
+/// (Note [Guards and aliases] in docs/DESIGN.md).
 struct Alias<B: Backend> {
     mapping: Mapping<B>,
-    until: StreamPos,
+    until: AliasUntil,
+}
+
+/// What an alias waits for before it is unmapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AliasUntil {
+    /// Its stream passing this position: until then the stream's queued
+    /// work may use the old place.
+    Passed(StreamPos),
+    /// The space's next driver work (a map, a trim, a release), whose step
+    /// its unmap joins: nothing uses it any more.
+    DriverWork,
 }
 
 /// A run of adjacent units: its address range and its mappings in order.
@@ -346,15 +359,31 @@ impl<B: Backend> Space<B> {
     /// Keeps the unit just taken out at `va` mapped as an alias until its
     /// stream passes `until`.
     pub(crate) fn add_alias(&mut self, va: Va, mapping: Mapping<B>, until: StreamPos) {
+        let until = AliasUntil::Passed(until);
         self.aliases.insert(va, Alias { mapping, until });
     }
 
-    /// Unmaps the aliases of `stream` up to position `upto`.
-    pub(crate) fn retire_aliases(&mut self, stream: u64, upto: u64) {
+    /// The aliases of `stream` up to position `upto` are no longer used:
+    /// they wait, mapped, for the space's next driver work (Note [Guards
+    /// and aliases], "Unmapped with other work").
+    pub(crate) fn pass_aliases(&mut self, stream: u64, upto: u64) {
+        for alias in self.aliases.values_mut() {
+            if let AliasUntil::Passed(pos) = alias.until {
+                if pos.stream == stream && pos.seq <= upto {
+                    alias.until = AliasUntil::DriverWork;
+                }
+            }
+        }
+    }
+
+    /// Unmaps the aliases whose streams have passed them: at the start of
+    /// every driver work, so that their unmaps fall in a step that calls
+    /// the driver anyway.
+    pub(crate) fn unmap_passed_aliases(&mut self) {
         let passed: Vec<Va> = self
             .aliases
             .iter()
-            .filter(|(_, a)| a.until.stream == stream && a.until.seq <= upto)
+            .filter(|(_, a)| a.until == AliasUntil::DriverWork)
             .map(|(&va, _)| va)
             .collect();
         for va in passed {
@@ -367,17 +396,23 @@ impl<B: Backend> Space<B> {
         }
     }
 
+    /// Whether an alias waits for `stream` to pass it.
     pub(crate) fn has_aliases_of(&self, stream: u64) -> bool {
-        self.aliases.values().any(|a| a.until.stream == stream)
+        self.aliases
+            .values()
+            .any(|a| matches!(a.until, AliasUntil::Passed(pos) if pos.stream == stream))
     }
 
     /// The mappings in `range` that are not units: the old places of moved
-    /// units (aliases) and the mappings that would not unmap (quarantined),
-    /// which growth must not map over: (address, size), in address order.
+    /// units that a stream may still use (aliases) and the mappings that
+    /// would not unmap (quarantined), which growth must not map over:
+    /// (address, size), in address order. Passed aliases are left out:
+    /// growth unmaps them before it maps.
     pub(crate) fn mapped_apart_in(&self, range: Range<Va>) -> Vec<(u64, u64)> {
         let mut ranges: Vec<(u64, u64)> = self
             .aliases
             .range(range.clone())
+            .filter(|(_, a)| a.until != AliasUntil::DriverWork)
             .map(|(&va, a)| (va.0, a.mapping.size() as u64))
             .collect();
         ranges.extend(
@@ -421,8 +456,9 @@ impl<B: Backend> Space<B> {
     /// Unmaps and releases the units at `vas`, keeping the reservation;
     /// returns the units released as (address, length), in address order.
     /// A unit that will not unmap stays a unit, mapped, its bytes where
-    /// they were. Aliases must be gone (their streams waited for).
+    /// they were. Aliases must have been passed (their streams waited for).
     pub(crate) fn release_units(&mut self, vas: impl IntoIterator<Item = Va>) -> Vec<(Va, u64)> {
+        self.unmap_passed_aliases();
         debug_assert!(self.aliases.is_empty(), "aliases outlive their streams");
         let mut released = Vec::new();
         for va in vas {
@@ -577,11 +613,12 @@ impl<B: Backend> Space<B> {
             if self.overlaps_a_unit(va, a.mapping.size() as u64) {
                 problems.push(format!("alias at {va:#x} overlaps a unit"));
             }
-            if !registered(a.until.stream) {
-                problems.push(format!(
+            match a.until {
+                AliasUntil::Passed(pos) if !registered(pos.stream) => problems.push(format!(
                     "alias at {va:#x}: stream {} not registered",
-                    a.until.stream
-                ));
+                    pos.stream
+                )),
+                _ => {}
             }
         }
         let reserved: u64 = chunks.values().sum();

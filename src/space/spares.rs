@@ -162,6 +162,7 @@ impl<B: Backend> Space<B> {
     /// Releases every spare chunk, parked ones unmapped first (one that
     /// will not unmap stays parked).
     pub(crate) fn release_spares(&mut self) {
+        self.unmap_passed_aliases();
         let parked: Vec<Va> = self.parked.keys().copied().collect();
         for va in parked {
             self.release_parked(va);
