@@ -46,10 +46,10 @@ struct Alias<B: Backend> {
 enum AliasUntil {
     /// Its stream passing this position: until then the stream's queued
     /// work may use the old place.
-    Passed(StreamPos),
+    StreamPasses(StreamPos),
     /// The space's next driver work (a map, a trim, a release), whose step
     /// its unmap joins: nothing uses it any more.
-    DriverWork,
+    NextDriverWork,
 }
 
 /// A run of adjacent units: its address range and its mappings in order.
@@ -359,7 +359,7 @@ impl<B: Backend> Space<B> {
     /// Keeps the unit just taken out at `va` mapped as an alias until its
     /// stream passes `until`.
     pub(crate) fn add_alias(&mut self, va: Va, mapping: Mapping<B>, until: StreamPos) {
-        let until = AliasUntil::Passed(until);
+        let until = AliasUntil::StreamPasses(until);
         self.aliases.insert(va, Alias { mapping, until });
     }
 
@@ -368,9 +368,9 @@ impl<B: Backend> Space<B> {
     /// and aliases], "Unmapped with other work").
     pub(crate) fn pass_aliases(&mut self, stream: u64, upto: u64) {
         for alias in self.aliases.values_mut() {
-            if let AliasUntil::Passed(pos) = alias.until {
+            if let AliasUntil::StreamPasses(pos) = alias.until {
                 if pos.stream == stream && pos.seq <= upto {
-                    alias.until = AliasUntil::DriverWork;
+                    alias.until = AliasUntil::NextDriverWork;
                 }
             }
         }
@@ -383,7 +383,7 @@ impl<B: Backend> Space<B> {
         let passed: Vec<Va> = self
             .aliases
             .iter()
-            .filter(|(_, a)| a.until == AliasUntil::DriverWork)
+            .filter(|(_, a)| a.until == AliasUntil::NextDriverWork)
             .map(|(&va, _)| va)
             .collect();
         for va in passed {
@@ -400,7 +400,7 @@ impl<B: Backend> Space<B> {
     pub(crate) fn has_aliases_of(&self, stream: u64) -> bool {
         self.aliases
             .values()
-            .any(|a| matches!(a.until, AliasUntil::Passed(pos) if pos.stream == stream))
+            .any(|a| matches!(a.until, AliasUntil::StreamPasses(pos) if pos.stream == stream))
     }
 
     /// The mappings in `range` that are not units: the old places of moved
@@ -412,7 +412,7 @@ impl<B: Backend> Space<B> {
         let mut ranges: Vec<(u64, u64)> = self
             .aliases
             .range(range.clone())
-            .filter(|(_, a)| a.until != AliasUntil::DriverWork)
+            .filter(|(_, a)| a.until != AliasUntil::NextDriverWork)
             .map(|(&va, a)| (va.0, a.mapping.size() as u64))
             .collect();
         ranges.extend(
@@ -614,7 +614,7 @@ impl<B: Backend> Space<B> {
                 problems.push(format!("alias at {va:#x} overlaps a unit"));
             }
             match a.until {
-                AliasUntil::Passed(pos) if !registered(pos.stream) => problems.push(format!(
+                AliasUntil::StreamPasses(pos) if !registered(pos.stream) => problems.push(format!(
                     "alias at {va:#x}: stream {} not registered",
                     pos.stream
                 )),
