@@ -57,6 +57,22 @@ fn setup<B: TestBackend>(b: &Arc<B>, switches: [u64; 3]) -> (Context<B>, vmpool:
     (ctx, pool)
 }
 
+/// A pool growing by 2 MiB chunks, so that units can be counted in
+/// allocations of whole MiB.
+fn pool_of_2mib_chunks<B: TestBackend>(ctx: &Context<B>) -> vmpool::Pool<B> {
+    ctx.create_pool(&PoolProps {
+        chunk_size: Some(2 * MIB),
+        ..PoolProps::new(DEV)
+    })
+    .unwrap()
+}
+
+/// Six 2 MiB units in a row (on a new pool of 2 MiB chunks), under a, b,
+/// c and d of 4, 2, 4 and 2 MiB, allocated on `s`.
+fn four_in_a_row<B: TestBackend>(pool: &vmpool::Pool<B>, s: &Stream<B>) -> [Allocation; 4] {
+    [4 * MIB, 2 * MIB, 4 * MIB, 2 * MIB].map(|size| pool.allocate_async(size, s).unwrap())
+}
+
 const ALL_ON: [u64; 3] = [1, 1, 1];
 const ALL_OFF: [u64; 3] = [0, 0, 0];
 
@@ -176,26 +192,13 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
 /// follows a growth, served from free memory, calls the driver for none.
 pub fn passed_aliases_unmap_with_the_next_growth<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = ctx
-        .create_pool(&PoolProps {
-            chunk_size: Some(2 * MIB),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = pool_of_2mib_chunks(&ctx);
     // No trim when a stream passes: only growth may unmap.
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
         .unwrap();
     let s = ctx.create_stream(DEV).unwrap();
-    let sizes = [4 * MIB, 2 * MIB, 4 * MIB, 2 * MIB];
-    let mut blocks: Vec<Allocation> = sizes
-        .iter()
-        .map(|&size| pool.allocate_async(size, &s).unwrap())
-        .collect();
+    let [a, bb, c, d] = four_in_a_row(&pool, &s);
     b.delay(s.raw(), LATE).unwrap();
-    let d = blocks.pop().unwrap();
-    let c = blocks.pop().unwrap();
-    let bb = blocks.pop().unwrap();
-    let a = blocks.pop().unwrap();
     pool.free_async(a, &s).unwrap();
     pool.free_async(c, &s).unwrap();
     // The four free units move under the stream's work: four aliases.
@@ -242,12 +245,7 @@ pub fn passed_aliases_unmap_with_the_next_growth<B: TestBackend>(b: &Arc<B>) {
 /// chunks, go at a trim: the pool gives every byte back.
 pub fn a_trim_unmaps_passed_aliases<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = ctx
-        .create_pool(&PoolProps {
-            chunk_size: Some(2 * MIB),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = pool_of_2mib_chunks(&ctx);
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
         .unwrap();
     let s = ctx.create_stream(DEV).unwrap();
@@ -273,27 +271,14 @@ pub fn a_trim_unmaps_passed_aliases<B: TestBackend>(b: &Arc<B>) {
 /// and without waiting; their old places stay mapped until it passes them.
 pub fn own_frees_move_before_the_stream_passes<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = ctx
-        .create_pool(&PoolProps {
-            chunk_size: Some(2 * MIB),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
+    let pool = pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
-    // Four units of 2 MiB in a row, then a, b, c, d over them.
-    let sizes = [4 * MIB, 2 * MIB, 4 * MIB, 2 * MIB];
-    let mut blocks: Vec<Allocation> = sizes
-        .iter()
-        .map(|&size| pool.allocate_async(size, &s).unwrap())
-        .collect();
+    let blocks = four_in_a_row(&pool, &s);
     b.delay(s.raw(), LATE).unwrap();
     for (i, a) in blocks.iter().enumerate() {
         fill(&**b, &s, a, 0x10 + i as u32);
     }
-    let d = blocks.pop().unwrap();
-    let c = blocks.pop().unwrap();
-    let bb = blocks.pop().unwrap();
-    let a = blocks.pop().unwrap();
+    let [a, bb, c, d] = blocks;
     pool.free_async(a, &s).unwrap();
     pool.free_async(c, &s).unwrap();
     let before = pool.stats();
