@@ -23,6 +23,7 @@
 mod audit;
 mod batches;
 mod inner;
+mod marking;
 mod recording;
 mod settings;
 mod sleep;
@@ -78,7 +79,7 @@ struct Shared<B: Backend> {
     /// Which mark is due at the next allocation, if any: the program's
     /// ([`Pool::mark_step_at_next_allocation`]) or one deferred past the
     /// frees its step carries (Note [Step layouts]).
-    mark_due: stepping::DueMark,
+    mark_due: marking::DueMark,
     /// The pool no longer marks a step where the program empties it: the
     /// program has marked one itself, or the pool's own marks laid nothing
     /// out (Note [Steps at emptying]).
@@ -222,7 +223,7 @@ impl<B: Backend> Pool<B> {
             keeps_unused: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             stepping: AtomicBool::new(false),
-            mark_due: stepping::DueMark::new(),
+            mark_due: marking::DueMark::new(),
             emptying_marks_off: AtomicBool::new(false),
             held_at_count: AtomicU64::new(u64::MAX),
             steps: Mutex::new(Stepping::new(Arc::clone(captures), planned_frees)),
