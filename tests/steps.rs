@@ -938,6 +938,52 @@ pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
     finish(&ctx, &pool, &s);
 }
 
+pub fn after_a_layout_that_did_not_last_a_region_comes_from_free_memory<B: TestBackend>(
+    b: &Arc<B>,
+) {
+    let (ctx, pool, s) = start(b);
+    let other = ctx.create_stream(DEV).unwrap();
+    pool.mark_step().unwrap();
+    // A pair alike is laid out; the next step goes another way in its
+    // first step, so the layout did not last.
+    kind_step(&pool, &s, 0);
+    kind_step(&pool, &s, 0);
+    kind_step(&pool, &s, 1);
+    assert_eq!(pool.step_counters().layouts, 1);
+    // Another stream leaves an allocation in the steps' memory, so that
+    // no free block holds three_step's 24 MiB: a region would map.
+    ctx.synchronize_stream(&s).unwrap();
+    let x = pool.allocate_async(8 * MIB, &other).unwrap();
+    let island = pool.allocate_async(4 * MIB, &other).unwrap();
+    pool.free_async(x, &other).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    // Three steps alike (after a layout that did not last, a run of two
+    // repeats): the region is refused, no chunk mapped at the mark.
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    three_step(&pool, &s);
+    let maps = pool.stats().maps;
+    pool.mark_step().unwrap();
+    let counters = pool.step_counters();
+    assert_eq!((counters.layouts, counters.refused), (1, 1), "{counters:?}");
+    assert_eq!(pool.stats().maps, maps, "a region mapped chunks");
+    // With the allocation gone, free memory holds it: laid out.
+    pool.free_async(island, &other).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
+    for _ in 0..3 {
+        three_step(&pool, &s);
+        pool.mark_step().unwrap();
+    }
+    let counters = pool.step_counters();
+    assert_eq!((counters.layouts, counters.refused), (2, 1), "{counters:?}");
+    three_step(&pool, &s);
+    pool.mark_step().unwrap();
+    assert_eq!(pool.step_counters().planned, counters.planned + 3);
+    finish(&ctx, &pool, &s);
+}
+
 suites!(
     a_repeated_step_maps_nothing,
     a_mark_at_the_next_allocation_takes_in_the_last_frees,
@@ -965,6 +1011,7 @@ suites!(
     a_pool_dropped_with_an_idle_layout_gives_its_memory_back,
     marking_a_sleeping_pool_is_refused,
     a_layout_the_pool_cannot_afford_is_given_up,
+    after_a_layout_that_did_not_last_a_region_comes_from_free_memory,
 );
 
 /// How the model test's program calls the pool.

@@ -17,6 +17,16 @@ use crate::{Error, Result};
 use super::inner::StepEnd;
 use super::{Pool, Purpose};
 
+/// Where a step layout's region may come from (Note [Step layouts],
+/// "Regions from free memory").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RegionFrom {
+    /// The heap, growing as for any allocation.
+    AnyMemory,
+    /// A free block alone: no growth, no driver call.
+    FreeMemory,
+}
+
 /// Who marked a step's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MarkedBy {
@@ -108,7 +118,10 @@ impl<B: Backend> Pool<B> {
     /// region the pool cannot allocate (out of memory, over its limit, or
     /// no room in its address space) is given up, not failed: the steps go
     /// on from the heap, [`StepCounters::refused`] counts it, and the next
-    /// layout waits for a longer run of steps alike.
+    /// layout waits for a longer run of steps alike. So is one that would
+    /// map chunks after a layout that did not last its first step: while
+    /// layouts do not last (shapes that vary), a region comes from free
+    /// memory alone.
     ///
     /// A program that marks no step has one marked where it empties the
     /// pool (Note [Steps at emptying] in docs/DESIGN.md); its first mark
@@ -187,7 +200,7 @@ impl<B: Backend> Pool<B> {
             return Ok(());
         }
         self.0.stepping.store(true, Ordering::Release);
-        let (wants, layout, given_up, stream) = {
+        let (wants, layout, given_up, stream, from) = {
             let mut st = lock(&self.0.steps);
             if by == MarkedBy::Program && st.steps.defer_mark() {
                 return Ok(());
@@ -223,7 +236,12 @@ impl<B: Backend> Pool<B> {
                 // The next step's first allocation picks the stream.
                 st.stream = None;
             }
-            (wants, layout, given_up, stream)
+            let from = if st.steps.layouts_last() {
+                RegionFrom::AnyMemory
+            } else {
+                RegionFrom::FreeMemory
+            };
+            (wants, layout, given_up, stream, from)
         };
         let end = if by == MarkedBy::Emptying {
             StepEnd::Emptied
@@ -236,11 +254,17 @@ impl<B: Backend> Pool<B> {
         let Some(len) = wants else {
             return Ok(());
         };
-        let rounded = len.next_multiple_of(QUANTUM);
-        // Under the lock, not from the stream's own frees, so that its
-        // bytes are counted idle as it is made.
-        match self.allocate_locked(len, rounded, stream.as_ref().map(|s| &s.0), Purpose::Region) {
-            Ok(region) => {
+        match self.allocate_region(len, stream.as_ref().map(|s| &s.0), from) {
+            Ok(None) => {
+                lock(&self.0.steps).steps.abandon();
+                tracing::debug!(
+                    pool = self.0.id,
+                    len,
+                    "step layout given up: its region would map"
+                );
+                Ok(())
+            }
+            Ok(Some(region)) => {
                 let base = region.ptr.0;
                 lock(&self.0.steps).steps.install(base, region);
                 tracing::debug!(
@@ -264,6 +288,29 @@ impl<B: Backend> Pool<B> {
                     }
                     e => Err(e),
                 }
+            }
+        }
+    }
+
+    /// A step layout's region of `len` bytes, counted idle; `None` where
+    /// it must come `from` free memory and no free block holds it.
+    fn allocate_region(
+        &self,
+        len: u64,
+        stream: Option<&Arc<StreamShared<B>>>,
+        from: RegionFrom,
+    ) -> Result<Option<Allocation>> {
+        let rounded = len.next_multiple_of(QUANTUM);
+        // Under the lock, not from the stream's own frees, so that its
+        // bytes are counted idle as it is made.
+        match from {
+            RegionFrom::AnyMemory => self
+                .allocate_locked(len, rounded, stream, Purpose::Region)
+                .map(Some),
+            RegionFrom::FreeMemory => {
+                let mut inner = self.lock();
+                let found = inner.allocate_without_growth(rounded, stream)?;
+                Ok(found.map(|p| self.hand_out_locked(inner, len, p, stream, Purpose::Region)))
             }
         }
     }

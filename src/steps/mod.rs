@@ -200,6 +200,9 @@ pub(crate) struct Steps<R> {
     /// Layouts in a row that ended in their first step, or never began
     /// (their region refused).
     short_lived: u32,
+    /// Whether the last layout to end did so in its first step, and none
+    /// has served a whole step since.
+    ended_early: bool,
     /// Whether the program's marks wait for the frees their steps carry.
     deferral: Deferral,
     /// A layout ended as its step went another way, and no allocation has
@@ -225,6 +228,7 @@ impl<R> Steps<R> {
             largest_peak: 0,
             repeated: 0,
             short_lived: 0,
+            ended_early: false,
             deferral: Deferral::default(),
             unchecked_divergence: false,
             align,
@@ -322,6 +326,7 @@ impl<R> Steps<R> {
     fn end(&mut self, active: Active<R>) {
         if active.since == self.counters.steps {
             self.short_lived += 1;
+            self.ended_early = true;
         }
         self.retire(active.region);
     }
@@ -522,6 +527,7 @@ impl<R> Steps<R> {
         {
             // It served the whole step.
             self.short_lived = 0;
+            self.ended_early = false;
         }
         self.counters.steps += 1;
         self.deferral.marked();
@@ -647,6 +653,14 @@ impl<R> Steps<R> {
                 None
             }
         }
+    }
+
+    /// Whether the last layout to end lasted its first step (or none has
+    /// ended): while layouts do not, a region is taken from free memory
+    /// alone (Note [Step layouts], "Regions from free memory"). A region
+    /// refused is no layout ended: the next may grow.
+    pub(crate) fn layouts_last(&self) -> bool {
+        !self.ended_early
     }
 
     /// The region the last mark asked for, allocated at `base`.
