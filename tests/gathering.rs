@@ -49,7 +49,10 @@ fn drifting_steps_gather_and_keep_every_byte<B: TestBackend>(b: &Arc<B>) {
     }
     pool.mark_step().unwrap();
     let mut kept: Vec<(u64, (Allocation, u32))> = Vec::new();
-    for t in 0..60u64 {
+    // Long enough to gather more than once on every backend: the host
+    // gathers at six marks, from step 58; an H100 at two, from step 91
+    // (none in the 60 steps this ran before).
+    for t in 0..120u64 {
         let mut live = Vec::new();
         for layer in 0..LAYERS {
             // As many experts as the step routes to: the steps' calls
