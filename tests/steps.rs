@@ -891,6 +891,23 @@ fn three_step<B: TestBackend>(pool: &Pool<B>, s: &Stream<B>) {
     }
 }
 
+/// Once `s`'s steps are done, `other` frees 8 MiB and keeps the 4 MiB
+/// after them, the island it returns, in the middle of the steps' free
+/// memory: no free block then holds three_step's 24 MiB.
+fn leave_island<B: TestBackend>(
+    ctx: &Context<B>,
+    pool: &Pool<B>,
+    s: &Stream<B>,
+    other: &Stream<B>,
+) -> Allocation {
+    ctx.synchronize_stream(s).unwrap();
+    let x = pool.allocate_async(8 * MIB, other).unwrap();
+    let island = pool.allocate_async(4 * MIB, other).unwrap();
+    pool.free_async(x, other).unwrap();
+    ctx.synchronize_stream(other).unwrap();
+    island
+}
+
 pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     // Nothing unused moves, and the limit holds the steps but not a
@@ -910,11 +927,7 @@ pub fn a_layout_the_pool_cannot_afford_is_given_up<B: TestBackend>(b: &Arc<B>) {
     pool.mark_step().unwrap();
     // Between the steps, another stream leaves an allocation in the middle
     // of the step's memory: [8 MiB free][island][12 MiB free].
-    ctx.synchronize_stream(&s).unwrap();
-    let x = pool.allocate_async(8 * MIB, &other).unwrap();
-    let island = pool.allocate_async(4 * MIB, &other).unwrap();
-    pool.free_async(x, &other).unwrap();
-    ctx.synchronize_stream(&other).unwrap();
+    let island = leave_island(&ctx, &pool, &s, &other);
     three_step(&pool, &s);
     // The step repeats, but no free block holds its 24 MiB, and growing
     // one would pass the limit.
@@ -952,11 +965,7 @@ pub fn after_a_layout_that_did_not_last_a_region_comes_from_free_memory<B: TestB
     assert_eq!(pool.step_counters().layouts, 1);
     // Another stream leaves an allocation in the steps' memory, so that
     // no free block holds three_step's 24 MiB: a region would map.
-    ctx.synchronize_stream(&s).unwrap();
-    let x = pool.allocate_async(8 * MIB, &other).unwrap();
-    let island = pool.allocate_async(4 * MIB, &other).unwrap();
-    pool.free_async(x, &other).unwrap();
-    ctx.synchronize_stream(&other).unwrap();
+    let island = leave_island(&ctx, &pool, &s, &other);
     // Three steps alike (after a layout that did not last, a run of two
     // repeats): the region is refused, no chunk mapped at the mark.
     three_step(&pool, &s);
