@@ -38,6 +38,7 @@ Models, in MODELS order:
 Probes (not models; run only when named):
 
     gather-probe       random reads over one 16 GiB tensor
+    copy-probe         a 2 GiB tensor copied into another, eight times a step
     calls-probe        a trace's allocation calls through PyTorch's allocator
                        interface, no kernels
 """
@@ -463,6 +464,25 @@ def gather_probe(torch, dev, rng, steps):
     return [None] * steps, step
 
 
+def copy_probe(torch, dev, rng, steps):
+    """Not a model: every step copies one 2 GiB tensor into another eight
+    times, a kernel bound by the memory's bandwidth alone. The step time
+    shows whether the chunks an allocator maps its memory in change how
+    fast memory streams (where random reads, `gather-probe`, showed no
+    change)."""
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(rng.randrange(1 << 30))
+    src = torch.rand(1 << 29, device=dev, generator=gen)
+    dst = torch.empty_like(src)
+
+    def step(_):
+        for _ in range(8):
+            dst.copy_(src)
+        return float(dst[-1].item())
+
+    return [None] * steps, step
+
+
 DEFAULT_CALLS_TRACE = "gpt2_train_torch.trace.gz"
 
 
@@ -615,8 +635,9 @@ BUILD = {
     "serve-loop": serve_loop,
     "gan-train": gan_train,
     "gather-probe": gather_probe,
+    "copy-probe": copy_probe,
     "calls-probe": calls_probe,
 }
 # Not models: run only when named in --workloads.
-PROBES = ["gather-probe", "calls-probe"]
+PROBES = ["gather-probe", "copy-probe", "calls-probe"]
 MODELS = [w for w in BUILD if w not in PROBES]
