@@ -9,13 +9,13 @@
 # The device tool carries at most 64 MiB with the working tree, and the
 # whole bundle with the tree is about that. Carry only the parts the jobs
 # need, always with gpu-bundle/gpu-run.sh and gpu-bundle/BUILD:
-#   tests:                 gpu-bundle/tests
-#   multi:                 gpu-bundle/tests, gpu-bundle/examples
+#   tests:                 gpu-bundle/tests.tar.xz (the tests folder, packed)
+#   multi:                 gpu-bundle/tests.tar.xz, gpu-bundle/examples
 #   examples:              gpu-bundle/examples
 #   bench, soak:           gpu-bundle/bin
 #   replay, c-calls:       gpu-bundle/bin, gpu-bundle/traces
 #   torch and the other PyTorch checks: gpu-bundle/torch
-#   e.g. carry ["gpu-bundle/gpu-run.sh", "gpu-bundle/BUILD", "gpu-bundle/tests", "gpu-bundle/torch"]
+#   e.g. carry ["gpu-bundle/gpu-run.sh", "gpu-bundle/BUILD", "gpu-bundle/tests.tar.xz", "gpu-bundle/torch"]
 #
 # BASE_REV=REV scripts/gpu-build.sh also bundles the C library as of REV,
 # as torch/libvmpool_c-<REV>.so, to compare two builds in one PyTorch run:
@@ -102,6 +102,9 @@ fi
 # The device tool carries at most 64 MiB: symbols go (panics still print
 # messages and locations, not function names).
 strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* "$bundle"/torch/libvmpool_c*.so
+# Stripped, the test binaries are still about 60 MiB, more than the tree
+# leaves room for: packed, about 6 (gpu-run.sh unpacks them there).
+tar -C "$bundle" -cf - tests | xz -9 -T0 >"$bundle/tests.tar.xz"
 
 cp scripts/gpu-run.sh "$bundle/"
 {

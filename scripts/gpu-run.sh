@@ -122,6 +122,11 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
+# The test binaries come packed (gpu-build.sh): unpacked once, here.
+if [ ! -d "$here/tests" ] && [ -f "$here/tests.tar.xz" ]; then
+    tar -C "$here" -xJf "$here/tests.tar.xz" || status=1
+fi
+
 call_timing=--no-call-timing
 [ "${CALL_TIMING:-0}" = 1 ] && call_timing=
 jobs=${*:-tests examples bench replay}
