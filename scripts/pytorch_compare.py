@@ -45,10 +45,10 @@ tokens) must match native's.
 `--workloads gather-probe` runs a probe instead of a model: random reads
 over one 16 GiB tensor, to see whether the way an allocator maps its memory
 changes how fast kernels run; `--workloads copy-probe` the same for a
-kernel that streams (a 2 GiB copy, eight times a step). `--workloads calls-probe` replays the
-allocation calls of traces (`--calls-trace FILE[,FILE...]`, any trace in
-the shared format; by default GPT-2 training's,
-traces/gpt2_train_torch.trace.gz) through PyTorch's allocator interface,
+kernel that streams (a 2 GiB copy, eight times a step). `--workloads
+calls-probe` replays the allocation calls of traces (`--calls-trace
+FILE[,FILE...]`, any trace in the shared format; by default GPT-2
+training's, traces/gpt2_train_torch.trace.gz) through PyTorch's allocator interface,
 with no kernels: what an allocator's calls cost on PyTorch's own path.
 Each trace is a workload of its own in the table.
 
