@@ -60,6 +60,16 @@ pub(crate) enum RunStage {
     Later,
 }
 
+/// Where a marked step ended, as far as growth cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepEnd {
+    /// At a mark of the program's (deferred or not).
+    Program,
+    /// Where the program emptied the pool: it starts afresh instead (Note
+    /// [Starting afresh]), so nothing is gathered.
+    Emptied,
+}
+
 /// Whether a step layout is under way as a step is marked: one serves,
 /// waits for its region or is being planned, or parts of one given up
 /// are still to be freed.
@@ -82,10 +92,13 @@ pub(crate) enum SmallOverflow {
 impl SmallOverflow {
     /// The rule from a mark on: the large arena's free memory once the
     /// first steps are over (what they make, weights and optimizer state,
-    /// lives on, where the steps' memory should be) and while no layout is
-    /// under way (its region would find small allocations in its way).
-    pub(crate) fn at_mark(stage: RunStage, layout: LayoutAtMark) -> Self {
-        if stage == RunStage::Later && layout == LayoutAtMark::None {
+    /// lives on, where the steps' memory should be), at a mark of the
+    /// program's (in an emptied pool nothing of the first steps lives on,
+    /// and a small block there lies where the step's large ones go) and
+    /// while no layout is under way (its region would find small
+    /// allocations in its way).
+    pub(crate) fn at_mark(stage: RunStage, end: StepEnd, layout: LayoutAtMark) -> Self {
+        if stage == RunStage::Later && end == StepEnd::Program && layout == LayoutAtMark::None {
             Self::LargeFirst
         } else {
             Self::Grow

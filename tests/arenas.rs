@@ -4,8 +4,9 @@
 //! the small arena's free memory cannot serve takes the large arena's free
 //! memory instead of growing the small arena (which moves a unit of the
 //! large arena's, or maps a new chunk); in the first steps, and in a step a
-//! layout serves, the small arena grows. On every backend (the host
-//! always, CUDA with `--features gpu-tests`).
+//! layout serves, the small arena grows, as in a step the pool marked
+//! where the program emptied it. On every backend (the host always, CUDA
+//! with `--features gpu-tests`).
 
 use std::sync::Arc;
 
@@ -134,7 +135,47 @@ fn small_requests_grow_in_a_laid_out_step<B: TestBackend>(b: &Arc<B>) {
     pool.audit().unwrap();
 }
 
+/// A program that marks no step and empties its pool after each one:
+/// the pool marks its steps there, and nothing it keeps from the first
+/// steps lies among them, so the small arena grows.
+fn small_requests_grow_after_marks_at_emptying<B: TestBackend>(b: &Arc<B>) {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
+    let pool = common::pool(&ctx);
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let s = ctx.create_stream(DeviceId(0)).unwrap();
+    // Steps of more allocations each time, so that nothing is laid out;
+    // the pool marks each as the next one begins (its first step moved
+    // free units: growth for `c` takes `a`'s).
+    for n in 1..=3 {
+        let a = pool.allocate(8 * MIB).unwrap();
+        let kept = pool.allocate(8 * MIB).unwrap();
+        pool.free(a).unwrap();
+        let c = pool.allocate(12 * MIB).unwrap();
+        step(&pool, &vec![MIB; n]);
+        pool.free(kept).unwrap();
+        pool.free(c).unwrap();
+    }
+    // The step's first allocation marks it; freed, it leaves the large
+    // arena free memory (an emptied pool starts afresh, its units parked
+    // out of the heap).
+    step(&pool, &[16 * MIB]);
+    let emptied = overflow_small_arena(b.as_ref(), &pool, &s);
+    assert_eq!(pool.step_counters().layouts, 0);
+    assert!(
+        pool.step_counters().steps >= 3,
+        "{:?}",
+        pool.step_counters()
+    );
+    assert_eq!(emptied.in_large, 0, "{}", pool.snapshot());
+    assert!(emptied.maps > 0);
+    free_checked(b.as_ref(), &pool, &s, emptied);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+}
+
 suites!(
     small_requests_take_large_free_memory_after_the_first_steps,
     small_requests_grow_in_a_laid_out_step,
+    small_requests_grow_after_marks_at_emptying,
 );

@@ -1,7 +1,8 @@
 //! What a call through the C layer costs: replays an allocation trace
 //! through `vmpool_alloc` / `vmpool_free` as PyTorch calls them (on the
 //! default stream), several rounds on the same pool, and prints the
-//! nanoseconds a call of each round. The first round grows the pool; the
+//! nanoseconds a call of each round and the footprint so far (reserved
+//! over in use, at their highs). The first round grows the pool; the
 //! later ones reuse it, so they show the calls' own cost. The backend is
 //! the one `VMPOOL_BACKEND` names (default `cuda`); with `VMPOOL_TIMING=1`
 //! every call is also timed, and the difference is what that costs.
@@ -124,7 +125,10 @@ fn main() -> Result<()> {
             }
         }
         let ns = (start.elapsed() - touching).as_secs_f64() * 1e9 / trace.ops.len() as f64;
-        println!("  round {round}: {ns:7.1} ns a call");
+        // The pool's high-water marks so far: reserved over in use.
+        let stats = vmpool_stats(DEVICE);
+        let footprint = stats.reserved_high as f64 / stats.used_high.max(1) as f64;
+        println!("  round {round}: {ns:7.1} ns a call, footprint {footprint:.4}");
         // What the trace left live goes, so that the next round starts alike.
         for (ptr, size) in live.iter_mut().filter(|(ptr, _)| !ptr.is_null()) {
             vmpool_free(*ptr, *size, DEVICE, stream);

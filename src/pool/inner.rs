@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vmm::{Backend, ErrorKind};
 
-use crate::arena::{ArenaId, Arenas, LayoutAtMark, RunStage, SmallOverflow, FIRST_STEPS};
+use crate::arena::{ArenaId, Arenas, LayoutAtMark, RunStage, SmallOverflow, StepEnd, FIRST_STEPS};
 use crate::growth::{Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
@@ -106,16 +106,6 @@ pub(super) struct Usage {
     pub(super) planned_frees: Arc<AtomicU64>,
     /// The most bytes the program has held: `used - idle` at its highest.
     pub(super) used_high: u64,
-}
-
-/// Where a marked step ended, as far as growth cares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum StepEnd {
-    /// At a mark of the program's (deferred or not).
-    Program,
-    /// Where the program emptied the pool: it starts afresh instead (Note
-    /// [Starting afresh]), so nothing is gathered.
-    Emptied,
 }
 
 pub(super) struct Inner<B: Backend> {
@@ -227,11 +217,11 @@ impl<B: Backend> Inner<B> {
     /// whole free regions into one range (Note [Growth and remapping],
     /// "Gathering at marks"). A gathering that fails leaves the tables
     /// consistent and every chunk accounted for, and the mark goes on: it
-    /// is logged, not returned. `layout` sets where small requests go
-    /// until the next mark.
+    /// is logged, not returned. `end` and `layout` set where small
+    /// requests go until the next mark.
     pub(super) fn step_marked(&mut self, end: StepEnd, layout: LayoutAtMark) {
         self.steps_marked = (self.steps_marked + 1).min(FIRST_STEPS);
-        self.small_overflow = SmallOverflow::at_mark(self.stage(), layout);
+        self.small_overflow = SmallOverflow::at_mark(self.stage(), end, layout);
         let created = self.space.counters.chunks_created;
         if end == StepEnd::Program
             && self.steps_marked >= FIRST_STEPS

@@ -8,13 +8,12 @@ use std::sync::Arc;
 use vmm::Backend;
 
 use crate::allocation::Allocation;
-use crate::arena::LayoutAtMark;
+use crate::arena::{LayoutAtMark, StepEnd};
 use crate::heap::{BlockId, QUANTUM};
 use crate::ordering::StreamShared;
 use crate::sync::lock;
 use crate::{Error, Result};
 
-use super::inner::StepEnd;
 use super::{Pool, Purpose};
 
 /// Where a step layout's region may come from (Note [Step layouts],
