@@ -79,14 +79,20 @@ fn step<B: TestBackend>(pool: &Pool<B>, sizes: &[u64]) {
     }
 }
 
-/// A pool that keeps what it maps, with weights live throughout and
-/// 16 MiB of free memory in its large arena.
-fn start<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>, Allocation) {
+/// A pool that keeps what it maps, and a stream.
+fn keeping_pool<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = common::pool(&ctx);
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
         .unwrap();
     let s = ctx.create_stream(DeviceId(0)).unwrap();
+    (ctx, pool, s)
+}
+
+/// A pool that keeps what it maps, with weights live throughout and
+/// 16 MiB of free memory in its large arena.
+fn start<B: TestBackend>(b: &Arc<B>) -> (Context<B>, Pool<B>, Stream<B>, Allocation) {
+    let (ctx, pool, s) = keeping_pool(b);
     let weights = pool.allocate(16 * MIB).unwrap();
     step(&pool, &[16 * MIB]);
     (ctx, pool, s, weights)
@@ -139,11 +145,7 @@ fn small_requests_grow_in_a_laid_out_step<B: TestBackend>(b: &Arc<B>) {
 /// the pool marks its steps there, and nothing it keeps from the first
 /// steps lies among them, so the small arena grows.
 fn small_requests_grow_after_marks_at_emptying<B: TestBackend>(b: &Arc<B>) {
-    let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = common::pool(&ctx);
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
-    let s = ctx.create_stream(DeviceId(0)).unwrap();
+    let (ctx, pool, s) = keeping_pool(b);
     // Steps of more allocations each time, so that nothing is laid out;
     // the pool marks each as the next one begins (its first step moved
     // free units: growth for `c` takes `a`'s).
