@@ -71,6 +71,10 @@ pub struct PoolStats {
     /// Step marks at which the units of whole free regions were gathered
     /// into one range (Note [Growth and remapping], "Gathering at marks").
     pub gathers: u64,
+    /// Step marks at which free units were joined into larger chunks
+    /// (Note [Growth and remapping], "Joining where steps keep moving
+    /// units").
+    pub joins: u64,
     /// Stream-ordered allocations served by memory freed on the same stream.
     pub same_stream_reuses: u64,
     /// ... by memory freed on a stream they were ordered after by an event.
@@ -274,14 +278,15 @@ impl std::fmt::Display for PoolSnapshot {
         )?;
         writeln!(
             f,
-            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims, {} gathers",
+            "  history: {} grows, {} remaps ({}), {} chunks created, {} released, {} trims, {} gathers, {} joins",
             st.grows,
             st.remaps,
             mib(st.bytes_remapped),
             st.chunks_created,
             st.chunks_released,
             st.trims,
-            st.gathers
+            st.gathers,
+            st.joins
         )?;
         for (i, &(start, end)) in self.arenas.iter().enumerate() {
             writeln!(

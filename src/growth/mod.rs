@@ -5,8 +5,12 @@
 //! the pool's tables and carries its plan out (Note [Growth and
 //! remapping] in docs/DESIGN.md).
 
+mod at_marks;
 mod gathering;
+mod joining;
 mod trimming;
+
+pub(crate) use at_marks::{AtMarks, Counts};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,6 +37,8 @@ pub(crate) struct GrowthCounters {
     pub(crate) trims: u64,
     /// Marks at which whole free regions were gathered into one range.
     pub(crate) gathers: u64,
+    /// Marks at which free units were joined into larger chunks.
+    pub(crate) joins: u64,
 }
 
 /// A unit with no live byte: all of it inside the free heap block `block`.

@@ -29,6 +29,7 @@ pub(super) fn stats<B: Backend>(inner: &Inner<B>) -> PoolStats {
         unmaps: space.unmaps,
         trims: growth.trims,
         gathers: growth.gathers,
+        joins: growth.joins,
         same_stream_reuses: calls.same_stream_reuses + pending.reuses,
         dependency_reuses: ordering.dependency_reuses,
         frees_completed: ordering.frees_completed,

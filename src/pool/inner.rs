@@ -7,7 +7,7 @@ use std::sync::Arc;
 use vmm::{Backend, ErrorKind};
 
 use crate::arena::{ArenaId, Arenas, LayoutAtMark, RunStage, SmallOverflow, StepEnd, FIRST_STEPS};
-use crate::growth::{Growth, GrowthCounters};
+use crate::growth::{AtMarks, Counts, Growth, GrowthCounters};
 use crate::heap::BlockId;
 use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
 use crate::props::{Defragment, FreshStart};
@@ -124,8 +124,8 @@ pub(super) struct Inner<B: Backend> {
     remaps_at_mark: u64,
     /// Steps marked so far, up to [`FIRST_STEPS`].
     steps_marked: u32,
-    /// Chunks created when the pool last counted a mark.
-    created_at_mark: u64,
+    /// Growth's counts at the last mark, for its work at the next.
+    at_marks: AtMarks,
     /// Where a small request goes that the small arena's free memory
     /// cannot serve, set at each mark ([`SmallOverflow::at_mark`]).
     small_overflow: SmallOverflow,
@@ -174,7 +174,7 @@ impl<B: Backend> Inner<B> {
             step_high: 0,
             remaps_at_mark: 0,
             steps_marked: 0,
-            created_at_mark: 0,
+            at_marks: AtMarks::default(),
             small_overflow: SmallOverflow::Grow,
             defragment,
             fresh_start,
@@ -213,27 +213,36 @@ impl<B: Backend> Inner<B> {
 
     /// Counts a step marked, for the chunks growth creates (Note [Growth
     /// chunk size], "The first steps"); at a program's step after the
-    /// first steps, where the step just ended created chunks, gathers the
-    /// whole free regions into one range (Note [Growth and remapping],
-    /// "Gathering at marks"). A gathering that fails leaves the tables
-    /// consistent and every chunk accounted for, and the mark goes on: it
-    /// is logged, not returned. `end` and `layout` set where small
-    /// requests go until the next mark.
+    /// first steps, has growth gather the whole free regions into one
+    /// range where the step just ended created chunks, and join free units
+    /// where steps keep moving them (Note [Growth and remapping],
+    /// "Gathering at marks", "Joining where steps keep moving units").
+    /// Either failing leaves the tables consistent and every chunk
+    /// accounted for, and the mark goes on: it is logged, not returned.
+    /// `end` and `layout` set where small requests go until the next mark.
     pub(super) fn step_marked(&mut self, end: StepEnd, layout: LayoutAtMark) {
         self.steps_marked = (self.steps_marked + 1).min(FIRST_STEPS);
         self.small_overflow = SmallOverflow::at_mark(self.stage(), end, layout);
-        let created = self.space.counters.chunks_created;
-        if end == StepEnd::Program
-            && self.steps_marked >= FIRST_STEPS
-            && created != self.created_at_mark
-        {
+        let later = end == StepEnd::Program && self.steps_marked >= FIRST_STEPS;
+        let work = self.at_marks.due(later, self.growth_counts());
+        if work.gather {
             if let Err(error) = self.growth().gather_free_regions() {
                 tracing::warn!(pool = self.pool, %error, "gathering free regions at a mark failed");
             }
         }
-        // Read again: a gathering's bridge may create chunks (as many bytes
-        // as it releases), which must not gather again at the next mark.
-        self.created_at_mark = self.space.counters.chunks_created;
+        if work.join {
+            if let Err(error) = self.growth().join_free_units() {
+                tracing::warn!(pool = self.pool, %error, "joining free units at a mark failed");
+            }
+        }
+        self.at_marks.counted(self.growth_counts());
+    }
+
+    fn growth_counts(&self) -> Counts {
+        Counts {
+            created: self.space.counters.chunks_created,
+            moved: self.growth.remaps,
+        }
     }
 
     /// Bytes of live allocations: `used` less the streams' credits. It

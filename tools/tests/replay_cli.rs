@@ -162,12 +162,15 @@ fn a_bridge_that_moves_and_releases_runs_through() {
 }
 
 /// A long run whose tensors change size every step gathers its whole free
-/// regions into one range at the marks after steps that created chunks
-/// (Note [Growth and remapping], "Gathering at marks"): the mixture of
-/// experts, 300 steps stream-ordered at the C layer's 1024th, ends at
-/// 1.0135 of its peak, where it ended at 1.0254 without.
+/// regions into one range at the marks after steps that created chunks,
+/// and joins its free units into larger chunks where steps keep moving
+/// them (Note [Growth and remapping], "Gathering at marks", "Joining where
+/// steps keep moving units"): the mixture of experts, 300 steps
+/// stream-ordered at the C layer's 1024th, ends at 1.0167 of its peak
+/// (1.0254 with neither) and maps in no step after step 108 (in every
+/// step without joining).
 #[test]
-fn a_long_run_gathers_its_free_regions_at_marks() {
+fn a_long_run_gathers_and_joins_at_marks_then_settles() {
     let trace = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../traces/moe_train_torch_marked300.trace.gz"
@@ -182,8 +185,17 @@ fn a_long_run_gathers_its_free_regions_at_marks() {
         trace,
     ]);
     assert!(report["gathers"].as_u64().unwrap() > 0, "{report}");
+    assert!(report["joins"].as_u64().unwrap() > 0, "{report}");
     let ratio = report["ratio"].as_f64().unwrap();
     assert!(ratio < 1.02, "{ratio}");
+    let step_maps: Vec<u64> = serde_json::from_value(report["step_maps"].clone()).unwrap();
+    let late: Vec<usize> = (150..step_maps.len())
+        .filter(|&s| step_maps[s] > 0)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "steps that mapped after step 150: {late:?}"
+    );
 }
 
 /// A trace replayed again and again on one pool, each pass a new model on

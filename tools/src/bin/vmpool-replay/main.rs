@@ -289,6 +289,7 @@ fn replay_main(args: &Args) -> Result<()> {
                 "chunks_released": report.chunks_released,
                 "grows": report.grows,
                 "gathers": report.gathers,
+                "joins": report.joins,
                 "grow_ns_per_op": report.grow_nanos as f64 / report.ops as f64,
                 "maps": report.maps,
                 "unmaps": report.unmaps,
@@ -341,8 +342,8 @@ fn replay_main(args: &Args) -> Result<()> {
             report.chunks_created, report.chunks_released
         );
         println!(
-            "grows / maps    {:>14} / {} ({} unmaps); {} gathers",
-            report.grows, report.maps, report.unmaps, report.gathers
+            "grows / maps    {:>14} / {} ({} unmaps); {} gathers, {} joins",
+            report.grows, report.maps, report.unmaps, report.gathers, report.joins
         );
         if report.steps.steps > 0 {
             let st = &report.steps;

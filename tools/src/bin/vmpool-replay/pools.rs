@@ -134,6 +134,7 @@ pub(crate) fn replay_vmpool<B: Backend>(
         chunks_released: stats.chunks_released,
         grows: stats.grows,
         gathers: stats.gathers,
+        joins: stats.joins,
         grow_nanos: stats.grow_nanos,
         maps: stats.maps,
         unmaps: stats.unmaps,

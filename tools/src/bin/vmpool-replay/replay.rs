@@ -25,6 +25,9 @@ pub(crate) struct Report {
     pub(crate) grows: u64,
     /// Marks at which whole free regions were gathered (vmpool only).
     pub(crate) gathers: u64,
+    /// Marks at which free units were joined into larger chunks (vmpool
+    /// only).
+    pub(crate) joins: u64,
     pub(crate) grow_nanos: u64,
     pub(crate) maps: u64,
     pub(crate) unmaps: u64,
