@@ -33,9 +33,10 @@ impl<B: Backend> Growth<'_, B> {
     /// before. Later growths then move a few large chunks where they moved
     /// many small ones. Units under any stream's queued work, or held
     /// elsewhere, stay. Returns the bytes joined. On failure the tables
-    /// are consistent: a run not mapped again is unmapped room, its
-    /// memory released (as a trim would), and the chunks not mapped are
-    /// spare.
+    /// are consistent and every chunk accounted for: a run not mapped
+    /// again is unmapped room, its units' memory released as a trim would
+    /// release it, and a chunk already created for one is spare or
+    /// released.
     #[cold]
     pub(crate) fn join_free_units(&mut self) -> Result<u64> {
         let arena = ArenaId::Large;
