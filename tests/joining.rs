@@ -3,15 +3,18 @@
 //! mixture of experts' recorded steps, replayed in stream order, re-form
 //! their largest request's space step after step until the pool joins
 //! its free units into larger chunks; the pool then stops moving units,
-//! stays consistent at every mark, and no live byte moves or changes.
-//! Host backend only: the recording's pool holds 10 GB.
+//! stays consistent at every mark, and no live byte moves or changes; a
+//! joining whose driver call fails leaves it so too. Host backend only:
+//! the recording's pool holds 10 GB, and the faults are injected.
 
 use std::sync::Arc;
 
 use vmpool::trace::{Trace, TraceOp};
-use vmpool::vmm::host::{Host, HostConfig};
+use vmpool::vmm::host::{Census, Host, HostConfig};
+use vmpool::vmm::testing::faulty::{Call, Faulty};
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, PoolAttribute, PoolProps};
+use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolStats};
 
 #[allow(dead_code)]
 mod common;
@@ -20,29 +23,43 @@ use common::{check_ends, mark_ends};
 
 const DEV: DeviceId = DeviceId(0);
 
-/// The recording's steps replayed: past the last step that moves units
-/// with joining (108 of 300), and far enough that without it every step
-/// after the first ones moves units.
-const STEPS: usize = 160;
-
 /// Allocations whose ends are written and checked: the large ones, where
 /// the joined units lie.
 const CHECKED_FROM: u64 = 1 << 20;
 
-#[test]
-fn drifting_steps_join_their_free_units_and_settle() {
+fn recording() -> Trace {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/traces/moe_train_torch_marked300.trace.gz"
     );
-    let trace = Trace::read(std::fs::File::open(path).unwrap()).unwrap();
-    let b = Host::new(HostConfig {
+    Trace::read(std::fs::File::open(path).unwrap()).unwrap()
+}
+
+/// A host backend whose device holds four times the recording's peak.
+fn host(trace: &Trace) -> Arc<Host> {
+    Host::new(HostConfig {
         memory_per_device: 4 * trace.peak_live as usize,
         ..HostConfig::default()
     })
-    .unwrap();
-    let ctx = Context::new(Arc::clone(&b)).unwrap();
-    // The C layer's growth chunks (a 1024th of the pool).
+    .unwrap()
+}
+
+/// How a replay calls the pool.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Calls {
+    /// `allocate_async` and `free_async` on one stream, as PyTorch calls.
+    StreamOrdered,
+    /// `allocate` and `free`: the same driver calls on every run.
+    Synchronous,
+}
+
+/// Replays the first `steps` steps of `trace` on a pool of `b` at the C
+/// layer's growth chunks (a 1024th), checking the ends of the large
+/// allocations and auditing the pool at each mark; then frees what is
+/// live, trims the pool and drops it. Returns the pool's statistics after
+/// each mark.
+fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, calls: Calls, steps: usize) -> Vec<PoolStats> {
+    let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = ctx
         .create_pool(&PoolProps {
             chunk_divisor: Some(1024),
@@ -52,14 +69,25 @@ fn drifting_steps_join_their_free_units_and_settle() {
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
         .unwrap();
     let s = ctx.create_stream(DEV).unwrap();
+    let free = |a: Allocation, word: u32| {
+        if a.size() >= CHECKED_FROM {
+            // A copy to the host: the stream's writes are done.
+            check_ends(b.as_ref(), &s, &a, word);
+        }
+        match calls {
+            Calls::StreamOrdered => pool.free_async(a, &s).unwrap(),
+            Calls::Synchronous => pool.free(a).unwrap(),
+        }
+    };
     let mut live: Vec<Option<(Allocation, u32)>> = (0..trace.slots).map(|_| None).collect();
-    // Units moved in each step.
-    let mut moved = Vec::new();
-    let mut before = 0;
+    let mut at_marks = Vec::new();
     for op in &trace.ops {
         match *op {
             TraceOp::Alloc { slot, size, .. } => {
-                let a = pool.allocate_async(size, &s).unwrap();
+                let a = match calls {
+                    Calls::StreamOrdered => pool.allocate_async(size, &s).unwrap(),
+                    Calls::Synchronous => pool.allocate(size).unwrap(),
+                };
                 let word = slot as u32;
                 if size >= CHECKED_FROM {
                     mark_ends(b.as_ref(), &s, &a, word);
@@ -68,38 +96,89 @@ fn drifting_steps_join_their_free_units_and_settle() {
             }
             TraceOp::Free { slot, .. } => {
                 let (a, word) = live[slot].take().expect("freed once");
-                if a.size() >= CHECKED_FROM {
-                    check_ends(b.as_ref(), &s, &a, word);
-                }
-                pool.free_async(a, &s).unwrap();
+                free(a, word);
             }
             TraceOp::Step => {
                 pool.mark_step().unwrap();
                 pool.audit().unwrap();
-                let remaps = pool.stats().remaps;
-                moved.push(remaps - before);
-                before = remaps;
-                if moved.len() == STEPS {
+                at_marks.push(pool.stats());
+                if at_marks.len() == steps {
                     break;
                 }
             }
             _ => unreachable!("the trace holds allocations, frees and marks"),
         }
     }
-    let st = pool.stats();
-    assert!(st.joins > 0, "no joining: the case is not covered ({st:?})");
+    for (a, word) in live.into_iter().flatten() {
+        free(a, word);
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+    assert_eq!(pool.stats().used_bytes, 0);
+    pool.trim_to(0).unwrap();
+    at_marks
+}
+
+#[test]
+fn drifting_steps_join_their_free_units_and_settle() {
+    let trace = recording();
+    // Past the last step that moves units with joining (108 of 300), and
+    // far enough that without it every step after the first ones moves.
+    let at_marks = replay(&host(&trace), &trace, Calls::StreamOrdered, 160);
+    let last = at_marks.last().unwrap();
+    assert!(
+        last.joins > 0,
+        "no joining: the case is not covered ({last:?})"
+    );
+    let moved: Vec<u64> = at_marks
+        .windows(2)
+        .map(|w| w[1].remaps - w[0].remaps)
+        .collect();
     let late: Vec<usize> = (120..moved.len()).filter(|&t| moved[t] > 0).collect();
     assert!(
         late.is_empty(),
         "steps after step 120 that moved units: {late:?} (units moved a step: {moved:?})"
     );
-    for (a, word) in live.into_iter().flatten() {
-        if a.size() >= CHECKED_FROM {
-            check_ends(b.as_ref(), &s, &a, word);
-        }
-        pool.free_async(a, &s).unwrap();
+}
+
+/// The last call of each kind a joining makes (it unmaps and releases the
+/// units, then creates and maps the chunks) fails in turn: the mark goes
+/// on, the pool stays consistent at every mark after it, every byte is
+/// kept, and nothing is left once the pool is trimmed and dropped. The
+/// calls are synchronous, so that each run makes the same driver calls
+/// up to the fault.
+#[test]
+fn a_joining_whose_driver_call_fails_leaves_the_pool_consistent() {
+    let trace = recording();
+    let clean = replay(&host(&trace), &trace, Calls::Synchronous, 160);
+    let at = clean
+        .iter()
+        .position(|st| st.joins > 0)
+        .expect("the recording joins");
+    let after = &clean[at];
+    let last_of = [
+        (Call::Unmap, after.unmaps),
+        (Call::ReleaseChunk, after.chunks_released),
+        (Call::CreateChunk, after.chunks_created),
+        (Call::Map, after.maps),
+    ];
+    for (call, count) in last_of {
+        let host = host(&trace);
+        let b = Faulty::new(Arc::clone(&host));
+        b.fail_nth(call, count - 1);
+        let faulted = replay(&b, &trace, Calls::Synchronous, at + 20);
+        assert!(b.disarm(), "{call:?} #{} did not fail", count - 1);
+        // Up to the joining mark the run is the clean one's.
+        let calls = |st: &PoolStats| (st.maps, st.unmaps, st.chunks_created, st.remaps);
+        assert_eq!(calls(&faulted[at - 1]), calls(&clean[at - 1]), "{call:?}");
+        assert_eq!(host.census(), Census::default(), "{call:?} leaked");
+        // The fault met the joining: it failed, but for a release, which
+        // the pool retries later.
+        let failed = if call == Call::ReleaseChunk { 0 } else { 1 };
+        assert_eq!(
+            faulted[at].joins,
+            clean[at].joins - failed,
+            "{call:?}: the fault missed the joining"
+        );
     }
-    ctx.synchronize_stream(&s).unwrap();
-    pool.audit().unwrap();
-    assert_eq!(pool.stats().used_bytes, 0);
 }
