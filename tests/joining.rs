@@ -19,7 +19,7 @@ use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolStats};
 #[allow(dead_code)]
 mod common;
 
-use common::{check_ends, mark_ends};
+use common::{allocate_on, check_ends, free_on, mark_ends};
 
 const DEV: DeviceId = DeviceId(0);
 
@@ -69,25 +69,22 @@ fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, calls: Calls, steps: usize)
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
         .unwrap();
     let s = ctx.create_stream(DEV).unwrap();
+    // The stream the pool's calls are ordered on, if any; the ends are
+    // written and checked on `s` either way.
+    let on = (calls == Calls::StreamOrdered).then_some(&s);
     let free = |a: Allocation, word: u32| {
         if a.size() >= CHECKED_FROM {
             // A copy to the host: the stream's writes are done.
             check_ends(b.as_ref(), &s, &a, word);
         }
-        match calls {
-            Calls::StreamOrdered => pool.free_async(a, &s).unwrap(),
-            Calls::Synchronous => pool.free(a).unwrap(),
-        }
+        free_on(&pool, on, a);
     };
     let mut live: Vec<Option<(Allocation, u32)>> = (0..trace.slots).map(|_| None).collect();
     let mut at_marks = Vec::new();
     for op in &trace.ops {
         match *op {
             TraceOp::Alloc { slot, size, .. } => {
-                let a = match calls {
-                    Calls::StreamOrdered => pool.allocate_async(size, &s).unwrap(),
-                    Calls::Synchronous => pool.allocate(size).unwrap(),
-                };
+                let a = allocate_on(&pool, on, size);
                 let word = slot as u32;
                 if size >= CHECKED_FROM {
                     mark_ends(b.as_ref(), &s, &a, word);
