@@ -30,19 +30,23 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Steps after which the settling bar counts, as pytorch_compare.py's long
-# runs do; a trace with more steps marked than LONG_RUN is a long run.
-SETTLED_AFTER = 50
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+# The step after which the settling bar counts, pytorch_compare.py's for
+# its long runs (it imports torch only when it runs them).
+from pytorch_compare import SETTLED  # noqa: E402
+
+# A trace with more steps marked than this is a long run.
 LONG_RUN = 100
 
 
 def settling(result):
-    """(steps after SETTLED_AFTER that mapped chunks, steps after it) of a
+    """(steps after SETTLED that mapped chunks, steps after it) of a
     replay's first pass, or None for a trace that is no long run."""
     maps = result["step_maps"]
     if len(maps) <= LONG_RUN:
         return None
-    later = maps[SETTLED_AFTER:]
+    later = maps[SETTLED:]
     return sum(1 for m in later if m > 0), len(later)
 
 
@@ -116,7 +120,7 @@ def main():
         settled = ""
         if row["settling"]:
             mapping, steps = row["settling"]
-            settled = f"  steps mapping after {SETTLED_AFTER}: {mapping} of {steps} ({100 * mapping / steps:.1f} %)"
+            settled = f"  steps mapping after {SETTLED}: {mapping} of {steps} ({100 * mapping / steps:.1f} %)"
         print(
             f"{name:32} {'so' if so else 'sync':4} pass 1 {row['first']:.4f}  pass {args.passes} {row['last']:.4f}"
             f"  est. driver: pass 1 {row['est_first_ms']:7.1f} ms, later {row['est_later_ms']:6.1f} ms a pass{settled}"
@@ -136,7 +140,7 @@ def main():
     long_runs = [r["settling"] for r in rows if r["settling"]]
     if long_runs:
         print(
-            f"long runs: steps mapping after step {SETTLED_AFTER}"
+            f"long runs: steps mapping after step {SETTLED}"
             f" {min(100 * m / n for m, n in long_runs):.1f}-{max(100 * m / n for m, n in long_runs):.1f} %"
             f" (under 5 %: {sum(m * 20 < n for m, n in long_runs)} of {len(long_runs)})"
         )
