@@ -234,6 +234,71 @@ fn passes_on_an_emptied_pool_end_where_the_first_did() {
     assert!(kept[4] > kept[0] + 0.01, "{kept:?}");
 }
 
+/// `--stream-lag` keeps the stream behind the calls: each allocation's
+/// queued work is waited for as the replay goes, so the replay takes at
+/// least the delays' sum, and the same calls are made. It needs stream
+/// order and three numbers above zero.
+#[test]
+fn a_lagging_stream_is_waited_for_and_asks_for_stream_order() {
+    let pairs = 50;
+    let lines: String = (0..pairs)
+        .map(|i| format!("a 1 {} 1\nf 1 1\n", (i % 5 + 1) << 20))
+        .collect();
+    let path = temp_trace("lag.trace", lines);
+    let trace = path.to_str().unwrap();
+    let run = |lag: &[&str]| {
+        let mut args = vec!["--backend", "host", "--json", "--stream-ordered"];
+        args.extend_from_slice(lag);
+        args.push(trace);
+        replay_json(&args)
+    };
+    let plain = run(&[]);
+    // 1 ms after every allocation, waited for every 10 operations.
+    let lagged = run(&["--stream-lag", "1000,1,10"]);
+    assert_eq!(lagged["ops"], plain["ops"]);
+    let nanos =
+        |r: &serde_json::Value| r["ns_per_op"].as_f64().unwrap() * r["ops"].as_f64().unwrap();
+    assert!(
+        nanos(&lagged) >= pairs as f64 * 1e6,
+        "{} ns for {pairs} delays of 1 ms",
+        nanos(&lagged)
+    );
+    assert!(nanos(&plain) < nanos(&lagged) / 2.0);
+    let refused = |args: &[&str], says: &str| {
+        let out = replay(args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    refused(
+        &["--backend", "host", "--stream-lag", "100,20,200", trace],
+        "needs --stream-ordered",
+    );
+    refused(
+        &[
+            "--backend",
+            "host",
+            "--stream-ordered",
+            "--stream-lag",
+            "100,0,200",
+            trace,
+        ],
+        "EVERY must be a whole number above 0",
+    );
+    refused(
+        &[
+            "--backend",
+            "host",
+            "--stream-ordered",
+            "--stream-lag",
+            "100,20",
+            trace,
+        ],
+        "three numbers",
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
 fn replay(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_vmpool-replay"))
         .args(args)

@@ -1,7 +1,7 @@
 //! Replays an allocation trace and reports footprint and speed.
 //!
 //!     vmpool-replay [--backend auto|cuda|host] [--allocator vmpool|cuda-async|cuda-malloc]
-//!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered]
+//!                   [--chunk-size BYTES] [--chunk-divisor N|off] [--stream-ordered [--stream-lag MICROS,EVERY,WAIT]]
 //!                   [--defragment off|units|whole-regions] [--fresh-start when-emptied|never]
 //!                   [--passes N] [--mark-passes] [--hold BYTES] [--slack] [--mapping-ops] [--json] TRACE
 //!
@@ -28,6 +28,7 @@
 //! layout being planned apart (`Pool::await_step_plan`), so that the pass
 //! it comes at is the same on any machine.
 
+mod lag;
 mod pools;
 mod replay;
 
@@ -43,6 +44,7 @@ use vmpool::{FreshStart, PoolProps};
 
 use vmpool_tools::{BackendKind, Bytes, DefragmentArg};
 
+use lag::{parse_stream_lag, StreamLag};
 use pools::{replay_cuda_async, replay_cuda_malloc, replay_vmpool, VmpoolRun};
 use replay::{Marks, Schedule};
 
@@ -111,6 +113,13 @@ struct Args {
     /// stream, as PyTorch calls it, instead of `allocate` / `free`.
     #[arg(long)]
     stream_ordered: bool,
+    /// vmpool, stream-ordered only: keep the stream behind the calls as a
+    /// GPU keeps a program's stream behind its allocations: MICROS of work
+    /// queued on it after every EVERY-th allocation, and the stream waited
+    /// for every WAIT operations (`100,20,200`). The footprint then follows
+    /// the timing, run by run; the replay's time is the delays'.
+    #[arg(long, value_name = "MICROS,EVERY,WAIT", value_parser = parse_stream_lag)]
+    stream_lag: Option<StreamLag>,
     /// vmpool only: which unused chunks growth may move
     /// (`PoolProps::defragment`): none (`off`: growth creates new ones),
     /// any free unit (`units`), or only units of regions with no live byte
@@ -179,6 +188,9 @@ fn replay_main(args: &Args) -> Result<()> {
     if args.stream_ordered && args.allocator != AllocatorKind::Vmpool {
         bail!("--stream-ordered is for vmpool; the CUDA pool replays stream-ordered always");
     }
+    if args.stream_lag.is_some() && !args.stream_ordered {
+        bail!("--stream-lag keeps a stream behind the calls: it needs --stream-ordered");
+    }
     if args.defragment != DefragmentArg::Units && args.allocator != AllocatorKind::Vmpool {
         bail!("--defragment is for vmpool");
     }
@@ -220,6 +232,7 @@ fn replay_main(args: &Args) -> Result<()> {
         stream_ordered: args.stream_ordered,
         slack: args.slack,
         mapping_ops: args.mapping_ops,
+        stream_lag: args.stream_lag,
     };
     if args.allocator != AllocatorKind::Vmpool && args.backend == BackendKind::Host {
         bail!("the CUDA allocators need a GPU: --backend cuda or auto");

@@ -5,9 +5,11 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use vmpool::trace::Trace;
+use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
+use crate::lag::{Lagging, StreamLag};
 use crate::replay::{replay, MappingOp, Replayed, Report, Schedule};
 
 /// How a trace replays on a vmpool pool.
@@ -22,6 +24,9 @@ pub(crate) struct VmpoolRun<'a> {
     /// List the allocations that mapped chunks (`--mapping-ops`), from the
     /// pool's statistics after each, outside the timed calls.
     pub(crate) mapping_ops: bool,
+    /// Keep the stream behind the calls (`--stream-lag`; stream-ordered
+    /// only).
+    pub(crate) stream_lag: Option<StreamLag>,
 }
 
 /// The allocations that mapped chunks so far, and the chunks mapped as
@@ -36,27 +41,41 @@ struct MappingLog {
 struct SlackAtPeak(Option<vmpool::Slack>);
 
 /// A vmpool pool, synchronous or stream-ordered on one stream.
-struct VmpoolReplay<B: Backend> {
+struct VmpoolReplay<B: TestBackend> {
+    backend: Arc<B>,
     pool: vmpool::Pool<B>,
     /// `Some`: stream-ordered on this stream.
     stream: Option<vmpool::Stream<B>>,
+    /// `Some` with `--stream-lag`.
+    lag: Option<Lagging>,
     /// `Some` with `--slack`.
     slack: Option<SlackAtPeak>,
     /// `Some` with `--mapping-ops`.
     mapping: Option<MappingLog>,
 }
 
-impl<B: Backend> Replayed for VmpoolReplay<B> {
+impl<B: TestBackend> Replayed for VmpoolReplay<B> {
     type Allocation = vmpool::Allocation;
     fn alloc(&mut self, size: u64) -> Result<vmpool::Allocation> {
         Ok(match &self.stream {
-            Some(s) => self.pool.allocate_async(size, s)?,
+            Some(s) => {
+                let a = self.pool.allocate_async(size, s)?;
+                if let Some(lag) = &mut self.lag {
+                    lag.allocated(self.backend.as_ref(), s.raw())?;
+                }
+                a
+            }
             None => self.pool.allocate(size)?,
         })
     }
     fn free(&mut self, a: vmpool::Allocation) -> Result<()> {
         match &self.stream {
-            Some(s) => self.pool.free_async(a, s)?,
+            Some(s) => {
+                self.pool.free_async(a, s)?;
+                if let Some(lag) = &mut self.lag {
+                    lag.freed(self.backend.as_ref(), s.raw())?;
+                }
+            }
             None => self.pool.free(a)?,
         }
         Ok(())
@@ -102,19 +121,21 @@ impl<B: Backend> Replayed for VmpoolReplay<B> {
 }
 
 /// Replays on a vmpool pool of the given backend.
-pub(crate) fn replay_vmpool<B: Backend>(
+pub(crate) fn replay_vmpool<B: TestBackend>(
     backend: Arc<B>,
     trace: &Trace,
     run: &VmpoolRun,
     schedule: &Schedule,
 ) -> Result<Report> {
-    let ctx = Context::new(backend)?;
+    let ctx = Context::new(Arc::clone(&backend))?;
     let pool = ctx.create_pool(run.props)?;
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
     let stream = ctx.create_stream(DeviceId(0))?;
     let mut replayed = VmpoolReplay {
+        backend,
         pool,
         stream: run.stream_ordered.then(|| stream.clone()),
+        lag: run.stream_lag.map(Lagging::new),
         slack: run.slack.then_some(SlackAtPeak(None)),
         // A new pool has mapped nothing.
         mapping: run.mapping_ops.then(|| MappingLog {
