@@ -188,6 +188,54 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// Units moved under a stream's queued work move again for it before it
+/// passes (Note [Guards and aliases], "Units moved again"): their chunks
+/// are then mapped at three places, and growth creates only what the
+/// moved units do not cover.
+pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, _) = setup(b, ALL_OFF);
+    let pool = pool_of_2mib_chunks(&ctx);
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    let s = ctx.create_stream(DEV).unwrap();
+    let [a, bb, c, d] = four_in_a_row(&pool, &s);
+    b.delay(s.raw(), LATE).unwrap();
+    fill(&**b, &s, &bb, 0x11);
+    pool.free_async(a, &s).unwrap();
+    pool.free_async(c, &s).unwrap();
+    // a's and c's four units move under the stream's work (four aliases),
+    // and a fence after them keeps the range from growing in place.
+    let big = pool.allocate_async(8 * MIB, &s).unwrap();
+    let fence = pool.allocate_async(2 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
+    fill(&**b, &s, &big, 0xB16);
+    pool.free_async(big, &s).unwrap();
+    let before = pool.stats();
+    // 12 MiB: no free range is that large; the four units move again, the
+    // places they leave stay mapped too (the stream still works there).
+    let bigger = pool.allocate_async(12 * MIB, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(
+        st.chunks_created,
+        before.chunks_created + 2,
+        "only what the moved units do not cover is new ({st:?})"
+    );
+    assert_eq!(st.remaps, before.remaps + 4);
+    assert_eq!(st.aliased_bytes, 16 * MIB);
+    pool.audit().unwrap();
+    // In stream order, after the late writes through both old places.
+    fill(&**b, &s, &bigger, 0xB166);
+    assert_holds(&**b, &s, &bigger, 0xB166);
+    assert_holds(&**b, &s, &bb, 0x11);
+    ctx.synchronize_stream(&s).unwrap();
+    pool.audit().unwrap();
+    for x in [bigger, bb, d, fence] {
+        pool.free_async(x, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    trim_gives_every_byte_back(&pool);
+}
+
 /// The old places of units moved under a stream's queued work stay
 /// mapped after the stream passes them, until the pool's next growth or
 /// trim: their unmaps join driver calls made anyway, and a step that
@@ -584,6 +632,7 @@ suites!(
     same_stream_reuse_without_synchronization,
     own_frees_are_reused_at_any_size,
     own_frees_move_before_the_stream_passes,
+    aliased_units_move_again_before_the_stream_passes,
     passed_aliases_unmap_with_the_next_growth,
     a_trim_unmaps_passed_aliases,
     cross_stream_race_with_switches_on,

@@ -138,6 +138,7 @@ mod tests {
             va: Va(at_mib * MIB),
             len: len_mib * MIB,
             block,
+            aliased: false,
         }
     }
 

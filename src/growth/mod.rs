@@ -47,6 +47,9 @@ struct FreeUnit {
     va: Va,
     len: u64,
     block: BlockId,
+    /// Its chunk is mapped elsewhere too, as an alias its stream may
+    /// still use: it may move, never be released.
+    aliased: bool,
 }
 
 /// A unit taken out of its place, with the guard position it was under
@@ -344,11 +347,14 @@ impl<B: Backend> Growth<'_, B> {
         let bridge = bridging
             .then(|| {
                 // A bridge may release units: only those no stream may
-                // still use.
-                let unguarded: Vec<UnitSize> = units
+                // still use, here or through an alias.
+                let unguarded: Vec<UnitSize> = free
                     .iter()
-                    .filter(|u| self.guards.in_range(u.va, u.va + u.size).next().is_none())
-                    .copied()
+                    .zip(&units)
+                    .filter(|(f, u)| {
+                        !f.aliased && self.guards.in_range(u.va, u.va + u.size).next().is_none()
+                    })
+                    .map(|(_, &u)| u)
                     .collect();
                 plan::plan_bridge(size, &inputs, &unguarded)
             })
@@ -389,6 +395,11 @@ impl<B: Backend> Growth<'_, B> {
         // Units are whole granules: the small arena's chunk size.
         let smallest_unit = self.arenas[ArenaId::Small].policy.chunk_size;
         let units = self.space.units();
+        let aliased = if mover.is_some() {
+            self.space.alias_counts()
+        } else {
+            FxHashMap::default()
+        };
         // The free blocks that can hold a unit, ranked; their units then
         // come in address order within each block, and blocks do not
         // overlap, so the units come out ranked too.
@@ -434,8 +445,15 @@ impl<B: Backend> Growth<'_, B> {
             let block_end = Va(c.addr) + c.len;
             for (&va, m) in units.range(Va(c.addr)..block_end) {
                 let end = va + m.size() as u64;
+                // Held by its unit alone, or (for a stream's growth) by its
+                // aliases besides: a chunk mapped at several places moves
+                // as one mapped at one (Note [Guards and aliases], "Units
+                // moved again"). One held elsewhere (exported) stays.
+                let others = Arc::strong_count(m.chunk()) - 1;
+                let aliases = aliased.get(&m.chunk().handle()).copied().unwrap_or(0);
+                let held_apart = others > 0 && (mover.is_none() || others != aliases);
                 let movable = || {
-                    Arc::strong_count(m.chunk()) == 1
+                    !held_apart
                         && self
                             .guards
                             .in_range(va.0, end.0)
@@ -446,6 +464,7 @@ impl<B: Backend> Growth<'_, B> {
                         va,
                         len: m.size() as u64,
                         block: c.block,
+                        aliased: others > 0,
                     });
                 }
             }
@@ -462,7 +481,7 @@ impl<B: Backend> Growth<'_, B> {
     fn unmap_units(&mut self, mut units: Vec<FreeUnit>) -> Result<Vec<MovedUnit<B>>> {
         units.sort_by_key(|u| std::cmp::Reverse(u.va));
         let mut moved: Vec<MovedUnit<B>> = Vec::new();
-        for FreeUnit { va, len, block } in units {
+        for FreeUnit { va, len, block, .. } in units {
             let arena = self.arenas.of(va.0);
             self.arenas[arena].heap.take(block, va.0, len);
             let mapping = self.space.remove_unit(va);

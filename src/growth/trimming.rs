@@ -21,7 +21,7 @@ impl<B: Backend> Growth<'_, B> {
         let count = units.len();
         // Right to left, as in `unmap_units`.
         units.sort_by_key(|u| std::cmp::Reverse(u.va));
-        for FreeUnit { va, len, block } in units {
+        for FreeUnit { va, len, block, .. } in units {
             let arena = self.arenas.of(va.0);
             self.arenas[arena].heap.take(block, va.0, len);
             self.space.park(va);

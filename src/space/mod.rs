@@ -20,6 +20,7 @@
 
 mod spares;
 
+use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::{Range, RangeBounds};
 use std::sync::Arc;
@@ -354,6 +355,15 @@ impl<B: Backend> Space<B> {
                 self.quarantine.push(mapping);
             }
         }
+    }
+
+    /// How many aliases map each chunk that has one, by its handle.
+    pub(crate) fn alias_counts(&self) -> FxHashMap<ChunkHandle, usize> {
+        let mut counts = FxHashMap::default();
+        for alias in self.aliases.values() {
+            *counts.entry(alias.mapping.chunk().handle()).or_default() += 1;
+        }
+        counts
     }
 
     /// Keeps the unit just taken out at `va` mapped as an alias until its
