@@ -69,6 +69,15 @@ fn pool_of_2mib_chunks<B: TestBackend>(ctx: &Context<B>) -> vmpool::Pool<B> {
     .unwrap()
 }
 
+/// [`pool_of_2mib_chunks`] that keeps what it holds when a stream passes
+/// (release threshold max): only growth and trims unmap.
+fn kept_pool_of_2mib_chunks<B: TestBackend>(ctx: &Context<B>) -> vmpool::Pool<B> {
+    let pool = pool_of_2mib_chunks(ctx);
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    pool
+}
+
 /// Six 2 MiB units in a row (on a new pool of 2 MiB chunks), under a, b,
 /// c and d of 4, 2, 4 and 2 MiB, allocated on `s`.
 fn four_in_a_row<B: TestBackend>(pool: &vmpool::Pool<B>, s: &Stream<B>) -> [Allocation; 4] {
@@ -194,9 +203,7 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
 /// moved units do not cover.
 pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = pool_of_2mib_chunks(&ctx);
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
+    let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     let [a, bb, c, d] = four_in_a_row(&pool, &s);
     b.delay(s.raw(), LATE).unwrap();
@@ -242,10 +249,8 @@ pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc
 /// follows a growth, served from free memory, calls the driver for none.
 pub fn passed_aliases_unmap_with_the_next_growth<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = pool_of_2mib_chunks(&ctx);
     // No trim when a stream passes: only growth may unmap.
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
+    let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     let [a, bb, c, d] = four_in_a_row(&pool, &s);
     b.delay(s.raw(), LATE).unwrap();
@@ -301,9 +306,7 @@ fn trim_gives_every_byte_back<B: TestBackend>(pool: &Pool<B>) {
 /// chunks, go at a trim: the pool gives every byte back.
 pub fn a_trim_unmaps_passed_aliases<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
-    let pool = pool_of_2mib_chunks(&ctx);
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
+    let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     let a = pool.allocate_async(4 * MIB, &s).unwrap();
     let keep = pool.allocate_async(2 * MIB, &s).unwrap();
