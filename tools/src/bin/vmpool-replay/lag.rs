@@ -6,6 +6,7 @@
 //! no work shows one point of the spread (docs/RESULTS.md, "The suites on
 //! CUDA, the GQA decoder and generation at 0cb5488").
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -47,16 +48,18 @@ pub(crate) fn parse_stream_lag(s: &str) -> Result<StreamLag, String> {
     })
 }
 
-/// The counts a lagging replay keeps.
-pub(crate) struct Lagging {
+/// A lagging replay's backend, to queue the delays on, and its counts.
+pub(crate) struct Lagging<B: TestBackend> {
+    backend: Arc<B>,
     lag: StreamLag,
     allocations: u64,
     ops: u64,
 }
 
-impl Lagging {
-    pub(crate) fn new(lag: StreamLag) -> Self {
+impl<B: TestBackend> Lagging<B> {
+    pub(crate) fn new(backend: Arc<B>, lag: StreamLag) -> Self {
         Self {
+            backend,
             lag,
             allocations: 0,
             ops: 0,
@@ -64,29 +67,25 @@ impl Lagging {
     }
 
     /// After an allocation: queues the delay on its turn.
-    pub(crate) fn allocated<B: TestBackend>(
-        &mut self,
-        backend: &B,
-        stream: &B::Stream,
-    ) -> Result<()> {
+    pub(crate) fn allocated(&mut self, stream: &B::Stream) -> Result<()> {
         self.allocations += 1;
         if self.allocations % self.lag.every == 0 {
-            backend.delay(stream, self.lag.delay)?;
+            self.backend.delay(stream, self.lag.delay)?;
         }
-        self.done(backend, stream)
+        self.done(stream)
     }
 
     /// After a free.
-    pub(crate) fn freed<B: TestBackend>(&mut self, backend: &B, stream: &B::Stream) -> Result<()> {
-        self.done(backend, stream)
+    pub(crate) fn freed(&mut self, stream: &B::Stream) -> Result<()> {
+        self.done(stream)
     }
 
     /// After any operation: waits for the stream on its turn, as the
     /// program would (the driver's wait: the pool is not told).
-    fn done<B: TestBackend>(&mut self, backend: &B, stream: &B::Stream) -> Result<()> {
+    fn done(&mut self, stream: &B::Stream) -> Result<()> {
         self.ops += 1;
         if self.ops % self.lag.wait_every == 0 {
-            backend.synchronize_stream(stream)?;
+            self.backend.synchronize_stream(stream)?;
         }
         Ok(())
     }

@@ -42,12 +42,11 @@ struct SlackAtPeak(Option<vmpool::Slack>);
 
 /// A vmpool pool, synchronous or stream-ordered on one stream.
 struct VmpoolReplay<B: TestBackend> {
-    backend: Arc<B>,
     pool: vmpool::Pool<B>,
     /// `Some`: stream-ordered on this stream.
     stream: Option<vmpool::Stream<B>>,
     /// `Some` with `--stream-lag`.
-    lag: Option<Lagging>,
+    lag: Option<Lagging<B>>,
     /// `Some` with `--slack`.
     slack: Option<SlackAtPeak>,
     /// `Some` with `--mapping-ops`.
@@ -61,7 +60,7 @@ impl<B: TestBackend> Replayed for VmpoolReplay<B> {
             Some(s) => {
                 let a = self.pool.allocate_async(size, s)?;
                 if let Some(lag) = &mut self.lag {
-                    lag.allocated(self.backend.as_ref(), s.raw())?;
+                    lag.allocated(s.raw())?;
                 }
                 a
             }
@@ -73,7 +72,7 @@ impl<B: TestBackend> Replayed for VmpoolReplay<B> {
             Some(s) => {
                 self.pool.free_async(a, s)?;
                 if let Some(lag) = &mut self.lag {
-                    lag.freed(self.backend.as_ref(), s.raw())?;
+                    lag.freed(s.raw())?;
                 }
             }
             None => self.pool.free(a)?,
@@ -132,10 +131,9 @@ pub(crate) fn replay_vmpool<B: TestBackend>(
     pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)?;
     let stream = ctx.create_stream(DeviceId(0))?;
     let mut replayed = VmpoolReplay {
-        backend,
         pool,
         stream: run.stream_ordered.then(|| stream.clone()),
-        lag: run.stream_lag.map(Lagging::new),
+        lag: run.stream_lag.map(|lag| Lagging::new(backend, lag)),
         slack: run.slack.then_some(SlackAtPeak(None)),
         // A new pool has mapped nothing.
         mapping: run.mapping_ops.then(|| MappingLog {
