@@ -395,7 +395,7 @@ impl<B: Backend> Growth<'_, B> {
         // Units are whole granules: the small arena's chunk size.
         let smallest_unit = self.arenas[ArenaId::Small].policy.chunk_size;
         let units = self.space.units();
-        let aliased = if mover.is_some() {
+        let alias_counts = if mover.is_some() {
             self.space.alias_counts()
         } else {
             FxHashMap::default()
@@ -450,7 +450,7 @@ impl<B: Backend> Growth<'_, B> {
                 // as one mapped at one (Note [Guards and aliases], "Units
                 // moved again"). One held elsewhere (exported) stays.
                 let others = Arc::strong_count(m.chunk()) - 1;
-                let aliases = aliased.get(&m.chunk().handle()).copied().unwrap_or(0);
+                let aliases = alias_counts.get(&m.chunk().handle()).copied().unwrap_or(0);
                 let held_apart = others > 0 && (mover.is_none() || others != aliases);
                 let movable = || {
                     !held_apart

@@ -20,11 +20,11 @@
 
 mod spares;
 
-use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::{Range, RangeBounds};
 use std::sync::Arc;
 
+use rustc_hash::FxHashMap;
 use vmm::memory::{Chunk, Mapping, Reservation};
 use vmm::{Access, AccessDesc, Backend, ChunkHandle, DeviceId, DevicePtr};
 
