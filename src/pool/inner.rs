@@ -9,7 +9,7 @@ use vmm::{Backend, ErrorKind};
 use crate::arena::{ArenaId, Arenas, LayoutAtMark, RunStage, SmallOverflow, StepEnd, FIRST_STEPS};
 use crate::growth::{AtMarks, Counts, Growth, GrowthCounters};
 use crate::heap::BlockId;
-use crate::ordering::{Counted, Guard, Guards, Pending, StreamPos, StreamShared, Streams};
+use crate::ordering::{Counted, Guard, Guards, Pending, StreamShared, Streams};
 use crate::props::{Defragment, FreshStart};
 use crate::space::Space;
 use crate::{Allocation, Error, Result};
@@ -147,7 +147,7 @@ pub(super) struct Inner<B: Backend> {
     /// between calls.
     found_guards: Vec<(u64, Guard)>,
     /// A reused buffer: frees a stream's table hands back.
-    released: Vec<Pending>,
+    pub(super) released: Vec<Pending>,
 }
 
 impl<B: Backend> Inner<B> {
@@ -611,87 +611,5 @@ impl<B: Backend> Inner<B> {
         found.clear();
         self.found_guards = found;
         cleared
-    }
-
-    /// Moves the pending frees of `stream` into the heap, each under a
-    /// guard of the stream, all but its latest `keep` small ones (see
-    /// [`Streams::merge_own_frees`]). Returns whether any stayed.
-    fn merge_own_frees(&mut self, stream: &Arc<StreamShared<B>>, keep: usize) -> Result<bool> {
-        let Self {
-            arenas,
-            guards,
-            streams,
-            ..
-        } = self;
-        streams.merge_own_frees(stream, keep, |p| {
-            arenas[p.arena].heap.free(p.block);
-            let by = StreamPos {
-                stream: stream.id,
-                seq: p.seq,
-            };
-            guards.insert(
-                p.ptr,
-                Guard {
-                    end: p.ptr + p.size,
-                    by,
-                },
-            );
-        })
-    }
-
-    /// Moves the pending frees whose events have completed back to the heap
-    /// (opportunistic reuse). An event that reports an error fails the call.
-    #[cold]
-    fn collect_completed(&mut self) -> Result<()> {
-        for pos in self.streams.completed()? {
-            self.release_pending(pos);
-        }
-        Ok(())
-    }
-
-    /// Frees of a stream up to a position are free for every stream: back
-    /// to the heap; their guards and aliases go. A stream left with nothing
-    /// pending and no guard leaves the table.
-    pub(super) fn release_pending(&mut self, passed: StreamPos) {
-        let StreamPos { stream, seq: upto } = passed;
-        if !self.streams.is_registered(stream) {
-            return;
-        }
-        self.guards.release(stream, upto);
-        self.space.pass_aliases(stream, upto);
-        let guarded = self.guards.any_of(stream) || self.space.has_aliases_of(stream);
-        let mut released = std::mem::take(&mut self.released);
-        if let Some(gone) = self.streams.release(stream, upto, guarded, &mut released) {
-            self.usage.used -= gone.credit;
-            self.calls.allocations += gone.reuses;
-            self.calls.same_stream_reuses += gone.reuses;
-            self.calls.frees += gone.frees;
-        }
-        for p in released.drain(..) {
-            self.arenas[p.arena].heap.free(p.block);
-        }
-        self.released = released;
-    }
-
-    /// Blocks until every stream with pending frees has run past them, and
-    /// releases them all (the last resort before out-of-memory, and drop).
-    /// While a graph capture is under way nothing can be waited for: then
-    /// it does nothing and returns false.
-    pub(super) fn wait_for_pending_frees(&mut self) -> bool {
-        let Some(passed) = self.streams.wait_all() else {
-            return false;
-        };
-        for pos in passed {
-            self.release_pending(pos);
-        }
-        true
-    }
-
-    /// Releases the stream-ordered frees of a stream up to a position (its
-    /// work has run that far), then trims to the release threshold.
-    pub(super) fn stream_passed(&mut self, passed: StreamPos) -> Result<()> {
-        self.release_pending(passed);
-        let keep = self.release_threshold;
-        self.growth().trim_to(keep)
     }
 }

@@ -24,6 +24,7 @@ mod audit;
 mod batches;
 mod inner;
 mod marking;
+mod pending;
 mod recording;
 mod settings;
 mod sleep;
