@@ -197,10 +197,45 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// Before growth plans, it waits for the streams that may still use the
+/// old places of units it moved (Note [Guards and aliases], "Growth waits
+/// for aliases"): the next growth finds them gone, whatever the stream's
+/// timing, and every byte written is kept.
+pub fn growth_waits_for_the_old_places_of_moved_units<B: TestBackend>(b: &Arc<B>) {
+    let (ctx, _) = setup(b, ALL_OFF);
+    let pool = kept_pool_of_2mib_chunks(&ctx);
+    let s = ctx.create_stream(DEV).unwrap();
+    let [a, bb, c, d] = four_in_a_row(&pool, &s);
+    b.delay(s.raw(), LATE).unwrap();
+    fill(&**b, &s, &bb, 0x11);
+    pool.free_async(a, &s).unwrap();
+    pool.free_async(c, &s).unwrap();
+    // a's and c's four units move under the stream's work: four aliases.
+    let big = pool.allocate_async(8 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
+    fill(&**b, &s, &big, 0xB16);
+    // The next growth waits for the stream first: the aliases go.
+    let fence = pool.allocate_async(2 * MIB, &s).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.aliased_bytes, 0, "the growth did not wait ({st:?})");
+    assert_eq!(st.pending_bytes, 0);
+    pool.audit().unwrap();
+    fill(&**b, &s, &fence, 0xFE);
+    assert_holds(&**b, &s, &big, 0xB16);
+    assert_holds(&**b, &s, &bb, 0x11);
+    assert_holds(&**b, &s, &fence, 0xFE);
+    for x in [big, bb, d, fence] {
+        pool.free_async(x, &s).unwrap();
+    }
+    ctx.synchronize_stream(&s).unwrap();
+    trim_gives_every_byte_back(&pool);
+}
+
 /// Units moved under a stream's queued work move again for it before it
-/// passes (Note [Guards and aliases], "Units moved again"): their chunks
-/// are then mapped at three places, and growth creates only what the
-/// moved units do not cover.
+/// passes, where growth cannot wait for it: in a graph capture (Note
+/// [Guards and aliases], "Units moved again"). Their chunks are then
+/// mapped at three places, and growth creates only what the moved units
+/// do not cover.
 pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
     let pool = kept_pool_of_2mib_chunks(&ctx);
@@ -210,18 +245,24 @@ pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc
     fill(&**b, &s, &bb, 0x11);
     pool.free_async(a, &s).unwrap();
     pool.free_async(c, &s).unwrap();
-    // a's and c's four units move under the stream's work (four aliases),
-    // and a fence after them keeps the range from growing in place.
+    // a's and c's four units move under the stream's work (four aliases).
     let big = pool.allocate_async(8 * MIB, &s).unwrap();
-    let fence = pool.allocate_async(2 * MIB, &s).unwrap();
     assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
     fill(&**b, &s, &big, 0xB16);
+    let capture = ctx.graph_capture();
+    b.begin_capture(s.raw()).unwrap();
+    // A fence after them keeps the range from growing in place.
+    let fence = pool.allocate_async(2 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
     pool.free_async(big, &s).unwrap();
     let before = pool.stats();
     // 12 MiB: no free range is that large; the four units move again, the
     // places they leave stay mapped too (the stream still works there).
     let bigger = pool.allocate_async(12 * MIB, &s).unwrap();
     let st = pool.stats();
+    b.end_capture(s.raw())
+        .expect("the pool spoiled the capture");
+    drop(capture);
     assert_eq!(
         st.chunks_created,
         before.chunks_created + 2,
@@ -635,6 +676,7 @@ suites!(
     same_stream_reuse_without_synchronization,
     own_frees_are_reused_at_any_size,
     own_frees_move_before_the_stream_passes,
+    growth_waits_for_the_old_places_of_moved_units,
     aliased_units_move_again_before_the_stream_passes,
     passed_aliases_unmap_with_the_next_growth,
     a_trim_unmaps_passed_aliases,

@@ -20,7 +20,9 @@ use super::sleep::{Retention, Slumber};
 /// pending when a miss merges the others into the heap: a program that
 /// allocates small blocks of a few sizes over and over (generation, a layer
 /// at a time) then finds them on the same-size fast path instead of taking
-/// the lock again (docs/RESULTS.md).
+/// the lock again (docs/RESULTS.md). The miss that looks for completed
+/// frees keeps none (Note [Stream-ordered frees], "Apart from the GPU's
+/// timing").
 const KEEP_SMALL: usize = 64;
 
 /// One allocation on the slow path: what it asks for, and the heap blocks
@@ -32,6 +34,9 @@ struct Request<'s, B: Backend> {
     /// `None`: a synchronous allocation.
     stream: Option<&'s Arc<StreamShared<B>>>,
     held: Vec<Held>,
+    /// How many of the stream's latest small frees stay pending when it
+    /// merges its frees into the heap.
+    keep_small: usize,
 }
 
 /// A heap block an allocation holds while it looks further.
@@ -465,14 +470,19 @@ impl<B: Backend> Inner<B> {
         // Opportunistic reuse: frees whose events have completed go back to
         // the heap. One stream-ordered miss in a few looks, which keeps
         // guards and aliases from piling up; before it grows, the pool
-        // always looks.
-        if stream.is_some() && self.streams.due_for_collect() {
+        // always looks. That miss merges every own free, the small ones
+        // kept for the fast path too, whichever the GPU has passed: the
+        // heap then holds the same blocks however far behind the stream is
+        // (Note [Stream-ordered frees], "Apart from the GPU's timing").
+        let collecting = stream.is_some() && self.streams.due_for_collect();
+        if collecting {
             self.collect_completed()?;
         }
         let mut request = Request {
             size,
             stream,
             held: Vec::new(),
+            keep_small: if collecting { 0 } else { KEEP_SMALL },
         };
         let found = serve(self, &mut request);
         for held in request.held {
@@ -494,7 +504,7 @@ impl<B: Backend> Inner<B> {
         // cannot serve without them.
         let mut kept = false;
         if let Some(s) = stream {
-            kept = self.merge_own_frees(s, KEEP_SMALL)?;
+            kept = self.merge_own_frees(s, request.keep_small)?;
         }
         if let Some(found) = self.take_from_heap(arena, request)? {
             return Ok(Some(found.pending(arena, size)));
@@ -527,8 +537,26 @@ impl<B: Backend> Inner<B> {
         Ok(None)
     }
 
-    /// Grows the pool for `request`, which nothing free serves.
+    /// Grows the pool for `request`, which nothing free serves. Moved
+    /// units' old places that a stream may still use are waited for
+    /// first, and the request tried again on what that frees: growth then
+    /// plans on the same pool however far behind the streams are (Note
+    /// [Guards and aliases], "Growth waits for aliases"). Not while a graph
+    /// capture is under way, when nothing can be waited for.
     fn grow_for(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
+        if self.space.has_waiting_aliases() && self.wait_for_pending_frees() {
+            tracing::debug!(
+                pool = self.pool,
+                "growth waited for the streams of moved units' old places"
+            );
+            // Blocks held aside for other streams' guards may be free now.
+            for held in request.held.drain(..) {
+                self.arenas[held.arena].heap.free(held.block);
+            }
+            if let Some(found) = self.serve_from_free(request)? {
+                return Ok(found);
+            }
+        }
         let (size, stream) = (request.size, request.stream);
         let arena = ArenaId::for_size(size);
         loop {

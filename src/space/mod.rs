@@ -406,6 +406,13 @@ impl<B: Backend> Space<B> {
         }
     }
 
+    /// Whether an alias waits for its stream to pass it.
+    pub(crate) fn has_waiting_aliases(&self) -> bool {
+        self.aliases
+            .values()
+            .any(|a| matches!(a.until, AliasUntil::StreamPasses(_)))
+    }
+
     /// Whether an alias waits for `stream` to pass it.
     pub(crate) fn has_aliases_of(&self, stream: u64) -> bool {
         self.aliases
