@@ -11,11 +11,11 @@
 use std::sync::Arc;
 
 use vmpool::trace::{Trace, TraceOp};
-use vmpool::vmm::host::{Census, Host, HostConfig};
+use vmpool::vmm::host::Census;
 use vmpool::vmm::testing::faulty::{Call, Faulty};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolStats};
+use vmpool::{Allocation, Context, PoolStats};
 
 #[allow(dead_code)]
 mod common;
@@ -29,21 +29,7 @@ const DEV: DeviceId = DeviceId(0);
 const CHECKED_FROM: u64 = 1 << 20;
 
 fn recording() -> Trace {
-    // From the repository's root: where cargo runs the tests, and where
-    // the GPU machine runs the built binaries (scripts/gpu-run.sh).
-    let path = "traces/moe_train_torch_marked300.trace.gz";
-    let file = std::fs::File::open(path)
-        .unwrap_or_else(|e| panic!("{path}: {e}; run from the repository's root"));
-    Trace::read(file).unwrap()
-}
-
-/// A host backend whose device holds four times the recording's peak.
-fn host(trace: &Trace) -> Arc<Host> {
-    Host::new(HostConfig {
-        memory_per_device: 4 * trace.peak_live as usize,
-        ..HostConfig::default()
-    })
-    .unwrap()
+    common::recorded("moe_train_torch_marked300")
 }
 
 /// How a replay calls the pool.
@@ -62,14 +48,7 @@ enum Calls {
 /// each mark.
 fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, calls: Calls, steps: usize) -> Vec<PoolStats> {
     let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = ctx
-        .create_pool(&PoolProps {
-            chunk_divisor: Some(1024),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
+    let pool = common::pytorch_pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     // The stream the pool's calls are ordered on, if any; the ends are
     // written and checked on `s` either way.
@@ -160,13 +139,16 @@ mod host {
     #[test]
     fn drifting_steps_join_their_free_units_and_settle() {
         let trace = super::recording();
-        super::drifting_steps_join_their_free_units_and_settle(&super::host(&trace), &trace);
+        super::drifting_steps_join_their_free_units_and_settle(
+            &super::common::host_for(&trace),
+            &trace,
+        );
     }
 
     #[test]
     fn stream_ordered_joining_keeps_every_byte() {
         let trace = super::recording();
-        super::stream_ordered_joining_keeps_every_byte(&super::host(&trace), &trace);
+        super::stream_ordered_joining_keeps_every_byte(&super::common::host_for(&trace), &trace);
     }
 }
 
@@ -194,7 +176,7 @@ mod cuda {
 #[test]
 fn a_joining_whose_driver_call_fails_leaves_the_pool_consistent() {
     let trace = recording();
-    let clean = replay(&host(&trace), &trace, Calls::Synchronous, 160);
+    let clean = replay(&common::host_for(&trace), &trace, Calls::Synchronous, 160);
     let at = clean
         .iter()
         .position(|st| st.joins > 0)
@@ -207,7 +189,7 @@ fn a_joining_whose_driver_call_fails_leaves_the_pool_consistent() {
         (Call::Map, after.maps),
     ];
     for (call, count) in last_of {
-        let host = host(&trace);
+        let host = common::host_for(&trace);
         let b = Faulty::new(Arc::clone(&host));
         b.fail_nth(call, count - 1);
         let faulted = replay(&b, &trace, Calls::Synchronous, at + 20);

@@ -197,6 +197,28 @@ pub fn own_frees_are_reused_at_any_size<B: TestBackend>(b: &Arc<B>) {
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
 
+/// Four allocations in a row; with the stream held back, the first and
+/// third are freed and their four units moved, under the stream's work,
+/// into an 8 MiB allocation (four aliases, `big`, filled 0xB16); the
+/// second is filled 0x11.
+struct Moved {
+    bb: Allocation,
+    d: Allocation,
+    big: Allocation,
+}
+
+fn four_units_moved_under_work<B: TestBackend>(b: &Arc<B>, pool: &Pool<B>, s: &Stream<B>) -> Moved {
+    let [a, bb, c, d] = four_in_a_row(pool, s);
+    b.delay(s.raw(), LATE).unwrap();
+    fill(&**b, s, &bb, 0x11);
+    pool.free_async(a, s).unwrap();
+    pool.free_async(c, s).unwrap();
+    let big = pool.allocate_async(8 * MIB, s).unwrap();
+    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
+    fill(&**b, s, &big, 0xB16);
+    Moved { bb, d, big }
+}
+
 /// Before growth plans, it waits for the streams that may still use the
 /// old places of units it moved (Note [Guards and aliases], "Growth waits
 /// for aliases"): the next growth finds them gone, whatever the stream's
@@ -205,15 +227,7 @@ pub fn growth_waits_for_the_old_places_of_moved_units<B: TestBackend>(b: &Arc<B>
     let (ctx, _) = setup(b, ALL_OFF);
     let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
-    let [a, bb, c, d] = four_in_a_row(&pool, &s);
-    b.delay(s.raw(), LATE).unwrap();
-    fill(&**b, &s, &bb, 0x11);
-    pool.free_async(a, &s).unwrap();
-    pool.free_async(c, &s).unwrap();
-    // a's and c's four units move under the stream's work: four aliases.
-    let big = pool.allocate_async(8 * MIB, &s).unwrap();
-    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
-    fill(&**b, &s, &big, 0xB16);
+    let Moved { bb, d, big } = four_units_moved_under_work(b, &pool, &s);
     // The next growth waits for the stream first: the aliases go.
     let fence = pool.allocate_async(2 * MIB, &s).unwrap();
     let st = pool.stats();
@@ -240,15 +254,7 @@ pub fn aliased_units_move_again_before_the_stream_passes<B: TestBackend>(b: &Arc
     let (ctx, _) = setup(b, ALL_OFF);
     let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
-    let [a, bb, c, d] = four_in_a_row(&pool, &s);
-    b.delay(s.raw(), LATE).unwrap();
-    fill(&**b, &s, &bb, 0x11);
-    pool.free_async(a, &s).unwrap();
-    pool.free_async(c, &s).unwrap();
-    // a's and c's four units move under the stream's work (four aliases).
-    let big = pool.allocate_async(8 * MIB, &s).unwrap();
-    assert_eq!(pool.stats().aliased_bytes, 8 * MIB);
-    fill(&**b, &s, &big, 0xB16);
+    let Moved { bb, d, big } = four_units_moved_under_work(b, &pool, &s);
     let capture = ctx.graph_capture();
     b.begin_capture(s.raw()).unwrap();
     // A fence after them keeps the range from growing in place.

@@ -11,12 +11,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vmpool::trace::{Trace, TraceOp};
-use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
-use vmpool::{Allocation, Context, PoolAttribute, PoolProps, PoolStats};
+use vmpool::{Allocation, Context, PoolAttribute, PoolStats};
 
-#[cfg(feature = "gpu-tests")]
 #[allow(dead_code)]
 mod common;
 
@@ -34,12 +32,7 @@ const DELAY_EVERY: usize = 20;
 const WAIT_EVERY: usize = 400;
 
 fn recording() -> Trace {
-    // From the repository's root: where cargo runs the tests, and where
-    // the GPU machine runs the built binaries (scripts/gpu-run.sh).
-    let path = "traces/gpt2_generate.trace.gz";
-    let file = std::fs::File::open(path)
-        .unwrap_or_else(|e| panic!("{path}: {e}; run from the repository's root"));
-    Trace::read(file).unwrap()
+    common::recorded("gpt2_generate")
 }
 
 /// How the stream runs beside the calls.
@@ -56,14 +49,7 @@ enum Lag {
 /// statistics and its highest reserved bytes.
 fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, lag: Lag) -> (PoolStats, u64) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
-    let pool = ctx
-        .create_pool(&PoolProps {
-            chunk_divisor: Some(1024),
-            ..PoolProps::new(DEV)
-        })
-        .unwrap();
-    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
-        .unwrap();
+    let pool = common::pytorch_pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
     let mut live: Vec<Option<Allocation>> = (0..trace.slots).map(|_| None).collect();
     let mut allocations = 0;
@@ -116,11 +102,7 @@ mod host {
     #[test]
     fn a_lagging_stream_changes_no_placement() {
         let trace = super::recording();
-        let b = super::Host::new(super::HostConfig {
-            memory_per_device: 4 * trace.peak_live as usize,
-            ..super::HostConfig::default()
-        })
-        .unwrap();
+        let b = super::common::host_for(&trace);
         super::a_lagging_stream_changes_no_placement(&b, &trace);
     }
 }

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
+use vmpool::trace::Trace;
 use vmpool::vmm::host::{Host, HostConfig};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{DeviceId, DevicePtr};
-use vmpool::{Allocation, Context, Pool, PoolProps, Stream};
+use vmpool::{Allocation, Context, Pool, PoolAttribute, PoolProps, Stream};
 
 /// A fresh host backend: two devices of 1 GiB, 2 MiB granules.
 pub fn host() -> Arc<Host> {
@@ -27,6 +28,39 @@ pub fn pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
         ..PoolProps::new(DeviceId(0))
     })
     .unwrap()
+}
+
+/// The recorded trace `traces/NAME.trace.gz`, opened from the
+/// repository's root: where cargo runs the tests, and where the GPU
+/// machine runs the built binaries (scripts/gpu-run.sh).
+pub fn recorded(name: &str) -> Trace {
+    let path = format!("traces/{name}.trace.gz");
+    let file = std::fs::File::open(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}; run from the repository's root"));
+    Trace::read(file).unwrap()
+}
+
+/// A host backend whose device holds four times `trace`'s peak.
+pub fn host_for(trace: &Trace) -> Arc<Host> {
+    Host::new(HostConfig {
+        memory_per_device: 4 * trace.peak_live as usize,
+        ..HostConfig::default()
+    })
+    .unwrap()
+}
+
+/// A pool of device 0 as the C layer makes one for PyTorch: growth
+/// chunks of a 1024th, and nothing released to a threshold.
+pub fn pytorch_pool<B: TestBackend>(ctx: &Context<B>) -> Pool<B> {
+    let pool = ctx
+        .create_pool(&PoolProps {
+            chunk_divisor: Some(1024),
+            ..PoolProps::new(DeviceId(0))
+        })
+        .unwrap();
+    pool.set_attribute(PoolAttribute::ReleaseThreshold, u64::MAX)
+        .unwrap();
+    pool
 }
 
 /// Allocates `size` bytes of `pool`: in stream order on `on`, or
