@@ -143,15 +143,38 @@ impl PoolFrees {
             .min()
     }
 
-    /// Removes every block freed at or before `upto` and appends them to
-    /// `out` in the order they were freed.
-    pub(crate) fn drain_upto(&mut self, upto: u64, out: &mut Vec<Pending>) {
-        let n = self.older.partition_point(|p| p.seq <= upto);
+    /// Removes every block freed at or before `upto` but the latest `keep`
+    /// pending blocks that satisfy `which`, and appends them to `out` in
+    /// the order they were freed; those kept stay pending as they were.
+    pub(crate) fn drain_upto(
+        &mut self,
+        upto: u64,
+        keep: usize,
+        which: impl Fn(&Pending) -> bool,
+        out: &mut Vec<Pending>,
+    ) {
+        let latest_kept = keep > 0 && self.latest.as_ref().is_some_and(&which);
+        let mut kept = usize::from(latest_kept);
+        // Blocks from this index on that satisfy `which` stay.
+        let mut keep_from = self.older.len();
+        while keep_from > 0 && kept < keep {
+            keep_from -= 1;
+            kept += usize::from(which(&self.older[keep_from]));
+        }
         let start = out.len();
-        out.extend(self.older.drain(..n));
+        let mut i = 0;
+        self.older.retain(|p| {
+            let stays = p.seq > upto || (i >= keep_from && which(p));
+            i += 1;
+            if !stays {
+                out.push(*p);
+            }
+            stays
+        });
         // The latest free of all comes last.
-        if self.latest.as_ref().is_some_and(|l| l.seq <= upto) {
+        if !latest_kept && self.latest.as_ref().is_some_and(|l| l.seq <= upto) {
             out.extend(self.latest.take());
+            self.latest = self.older.pop();
         }
         self.bytes -= out[start..].iter().map(|p| p.size).sum::<u64>();
     }
@@ -329,10 +352,10 @@ mod tests {
         // Taken from the middle: what is left stays in order.
         assert_eq!(f.take(256, u64::MAX).map(|p| p.seq), Some(3));
         let mut out = Vec::new();
-        f.drain_upto(4, &mut out);
+        f.drain_upto(4, 0, |_| true, &mut out);
         assert_eq!(out.iter().map(|p| p.seq).collect::<Vec<_>>(), [1, 2, 4]);
         assert_eq!(f.bytes, 512);
-        f.drain_upto(u64::MAX, &mut out);
+        f.drain_upto(u64::MAX, 0, |_| true, &mut out);
         assert_eq!(out.iter().map(|p| p.seq).collect::<Vec<_>>(), [1, 2, 4, 5]);
         assert!(f.is_empty());
         assert_eq!(f.bytes, 0);
@@ -378,6 +401,33 @@ mod tests {
     }
 
     #[test]
+    fn drain_upto_keeps_the_latest_that_qualify() {
+        let small = |p: &Pending| p.size < 1000;
+        let seqs = |v: &[Pending]| v.iter().map(|p| p.seq).collect::<Vec<_>>();
+        let mut f = frees(&[
+            (256, 1),
+            (4096, 2),
+            (512, 3),
+            (4096, 4),
+            (256, 5),
+            (4096, 6),
+        ]);
+        // Up to 5: the two latest small ones (3 and 5) stay, 6 was not
+        // passed; the rest go out in free order.
+        let mut out = Vec::new();
+        f.drain_upto(5, 2, small, &mut out);
+        assert_eq!(seqs(&out), [1, 2, 4]);
+        assert_eq!(f.bytes, 512 + 256 + 4096);
+        // Everything passed, two kept: 6 goes, the latest becomes 5.
+        out.clear();
+        f.drain_upto(u64::MAX, 2, small, &mut out);
+        assert_eq!(seqs(&out), [6]);
+        assert_eq!(f.reuse(256, u64::MAX).map(|p| p.seq), Some(5));
+        assert_eq!(f.take(512, u64::MAX).map(|p| p.seq), Some(3));
+        assert!(f.is_empty());
+    }
+
+    #[test]
     fn near_size_and_drain_see_every_block() {
         let mut f = frees(&[(1024, 1), (1100, 2), (4096, 3)]);
         assert_eq!(f.near_size(1000, u64::MAX), Some(1024));
@@ -385,7 +435,7 @@ mod tests {
         assert_eq!(f.near_size(1050, 1), None);
         assert_eq!(f.near_size(4000, u64::MAX), Some(4096));
         let mut out = Vec::new();
-        f.drain_upto(2, &mut out);
+        f.drain_upto(2, 0, |_| true, &mut out);
         let drained: Vec<u64> = out.iter().map(|p| p.seq).collect();
         assert_eq!(drained, [1, 2]);
         assert_eq!(f.bytes, 4096);

@@ -426,14 +426,17 @@ impl<B: Backend> Streams<B> {
     }
 
     /// Frees of stream `id` up to position `upto` are free for every
-    /// stream: they go to `released`, in the order they were freed, and
-    /// events that captured no later position go idle. A stream left with
+    /// stream: they go to `released`, in the order they were freed, all
+    /// but the stream's latest `keep_small` small ones, which stay pending
+    /// for its fast path; and events that captured no later position go
+    /// idle. A stream left with
     /// nothing pending and, as the caller says, nothing `guarded`, leaves
     /// the table: what it owed comes back.
     pub(crate) fn release(
         &mut self,
         id: u64,
         upto: u64,
+        keep_small: usize,
         guarded: bool,
         released: &mut Vec<Pending>,
     ) -> Option<Unregistered> {
@@ -442,7 +445,7 @@ impl<B: Backend> Streams<B> {
             let mut st = reg.stream.state();
             let f = st.pending.get_mut(&self.pool).expect("registered");
             let start = released.len();
-            f.drain_upto(upto, released);
+            f.drain_upto(upto, keep_small, |p| p.arena == ArenaId::Small, released);
             self.counters.frees_completed += (released.len() - start) as u64;
             if f.is_empty() && !guarded {
                 let f = st.pending.remove(&self.pool).expect("present");

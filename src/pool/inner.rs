@@ -14,16 +14,8 @@ use crate::props::{Defragment, FreshStart};
 use crate::space::Space;
 use crate::{Allocation, Error, Result};
 
+use super::pending::KEEP_SMALL;
 use super::sleep::{Retention, Slumber};
-
-/// How many of a stream's latest small frees (small-arena blocks) stay
-/// pending when a miss merges the others into the heap: a program that
-/// allocates small blocks of a few sizes over and over (generation, a layer
-/// at a time) then finds them on the same-size fast path instead of taking
-/// the lock again (docs/RESULTS.md). The miss that looks for completed
-/// frees keeps none (Note [Stream-ordered frees], "Apart from the GPU's
-/// timing").
-const KEEP_SMALL: usize = 64;
 
 /// One allocation on the slow path: what it asks for, and the heap blocks
 /// it took but may not use (another stream's guards cover them), given
@@ -34,9 +26,6 @@ struct Request<'s, B: Backend> {
     /// `None`: a synchronous allocation.
     stream: Option<&'s Arc<StreamShared<B>>>,
     held: Vec<Held>,
-    /// How many of the stream's latest small frees stay pending when it
-    /// merges its frees into the heap.
-    keep_small: usize,
 }
 
 /// A heap block an allocation holds while it looks further.
@@ -470,19 +459,14 @@ impl<B: Backend> Inner<B> {
         // Opportunistic reuse: frees whose events have completed go back to
         // the heap. One stream-ordered miss in a few looks, which keeps
         // guards and aliases from piling up; before it grows, the pool
-        // always looks. That miss merges every own free, the small ones
-        // kept for the fast path too, whichever the GPU has passed: the
-        // heap then holds the same blocks however far behind the stream is
-        // (Note [Stream-ordered frees], "Apart from the GPU's timing").
-        let collecting = stream.is_some() && self.streams.due_for_collect();
-        if collecting {
+        // always looks.
+        if stream.is_some() && self.streams.due_for_collect() {
             self.collect_completed()?;
         }
         let mut request = Request {
             size,
             stream,
             held: Vec::new(),
-            keep_small: if collecting { 0 } else { KEEP_SMALL },
         };
         let found = serve(self, &mut request);
         for held in request.held {
@@ -504,7 +488,7 @@ impl<B: Backend> Inner<B> {
         // cannot serve without them.
         let mut kept = false;
         if let Some(s) = stream {
-            kept = self.merge_own_frees(s, request.keep_small)?;
+            kept = self.merge_own_frees(s, KEEP_SMALL)?;
         }
         if let Some(found) = self.take_from_heap(arena, request)? {
             return Ok(Some(found.pending(arena, size)));

@@ -13,6 +13,16 @@ use crate::Result;
 
 use super::inner::Inner;
 
+/// How many of a stream's latest small frees (small-arena blocks) stay
+/// pending when a miss merges the others into the heap, or when the pool
+/// learns the stream has passed them: a program that allocates small
+/// blocks of a few sizes over and over (generation, a layer at a time)
+/// then finds them on the same-size fast path instead of taking the lock
+/// again (docs/RESULTS.md). Which stay follows the calls alone, not how
+/// far the GPU has run (Note [Stream-ordered frees], "Apart from the GPU's
+/// timing").
+pub(super) const KEEP_SMALL: usize = 64;
+
 impl<B: Backend> Inner<B> {
     /// Moves the pending frees of `stream` into the heap, each under a
     /// guard of the stream, all but its latest `keep` small ones (see
@@ -49,15 +59,16 @@ impl<B: Backend> Inner<B> {
     #[cold]
     pub(super) fn collect_completed(&mut self) -> Result<()> {
         for pos in self.streams.completed()? {
-            self.release_pending(pos);
+            self.release_pending(pos, KEEP_SMALL);
         }
         Ok(())
     }
 
     /// Frees of a stream up to a position are free for every stream: back
-    /// to the heap; their guards and aliases go. A stream left with nothing
+    /// to the heap, but for its latest `keep_small` small ones, which stay
+    /// pending; their guards and aliases go. A stream left with nothing
     /// pending and no guard leaves the table.
-    pub(super) fn release_pending(&mut self, passed: StreamPos) {
+    pub(super) fn release_pending(&mut self, passed: StreamPos, keep_small: usize) {
         let StreamPos { stream, seq: upto } = passed;
         if !self.streams.is_registered(stream) {
             return;
@@ -66,7 +77,10 @@ impl<B: Backend> Inner<B> {
         self.space.pass_aliases(stream, upto);
         let guarded = self.guards.any_of(stream) || self.space.has_aliases_of(stream);
         let mut released = std::mem::take(&mut self.released);
-        if let Some(gone) = self.streams.release(stream, upto, guarded, &mut released) {
+        if let Some(gone) = self
+            .streams
+            .release(stream, upto, keep_small, guarded, &mut released)
+        {
             self.usage.used -= gone.credit;
             self.calls.allocations += gone.reuses;
             self.calls.same_stream_reuses += gone.reuses;
@@ -87,7 +101,7 @@ impl<B: Backend> Inner<B> {
             return false;
         };
         for pos in passed {
-            self.release_pending(pos);
+            self.release_pending(pos, 0);
         }
         true
     }
@@ -95,7 +109,7 @@ impl<B: Backend> Inner<B> {
     /// Releases the stream-ordered frees of a stream up to a position (its
     /// work has run that far), then trims to the release threshold.
     pub(super) fn stream_passed(&mut self, passed: StreamPos) -> Result<()> {
-        self.release_pending(passed);
+        self.release_pending(passed, 0);
         let keep = self.release_threshold;
         self.growth().trim_to(keep)
     }
