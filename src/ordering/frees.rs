@@ -188,27 +188,8 @@ impl PoolFrees {
         which: impl Fn(&Pending) -> bool,
         out: &mut Vec<Pending>,
     ) -> bool {
-        let start = out.len();
-        let latest_kept = keep > 0 && self.latest.as_ref().is_some_and(&which);
-        let mut kept = usize::from(latest_kept);
-        let mut from = self.older.len();
-        while from > 0 && kept < keep {
-            from -= 1;
-            kept += usize::from(which(&self.older[from]));
-        }
-        out.extend(self.older.drain(..from));
-        self.older.retain(|p| {
-            which(p) || {
-                out.push(*p);
-                false
-            }
-        });
-        if !latest_kept {
-            out.extend(self.latest.take());
-            self.latest = self.older.pop();
-        }
-        self.bytes -= out[start..].iter().map(|p| p.size).sum::<u64>();
-        kept > 0
+        self.drain_upto(u64::MAX, keep, which, out);
+        !self.is_empty()
     }
 }
 
@@ -361,20 +342,31 @@ mod tests {
         assert_eq!(f.bytes, 0);
     }
 
-    #[test]
-    fn drain_all_but_keeps_the_latest_that_qualify() {
-        let small = |p: &Pending| p.size < 1000;
-        let seqs = |v: &[Pending]| v.iter().map(|p| p.seq).collect::<Vec<_>>();
-        // The latest is large: the two latest small ones stay, the latest of
-        // them becomes the list's latest, and the rest go out in free order.
-        let mut f = frees(&[
+    fn small(p: &Pending) -> bool {
+        p.size < 1000
+    }
+
+    fn seqs(v: &[Pending]) -> Vec<u64> {
+        v.iter().map(|p| p.seq).collect()
+    }
+
+    /// Small and large frees in turn, the latest large.
+    fn small_and_large() -> PoolFrees {
+        frees(&[
             (256, 1),
             (4096, 2),
             (512, 3),
             (4096, 4),
             (256, 5),
             (4096, 6),
-        ]);
+        ])
+    }
+
+    #[test]
+    fn drain_all_but_keeps_the_latest_that_qualify() {
+        // The latest is large: the two latest small ones stay, the latest of
+        // them becomes the list's latest, and the rest go out in free order.
+        let mut f = small_and_large();
         let mut out = Vec::new();
         assert!(f.drain_all_but(2, small, &mut out));
         assert_eq!(seqs(&out), [1, 2, 4, 6]);
@@ -402,16 +394,7 @@ mod tests {
 
     #[test]
     fn drain_upto_keeps_the_latest_that_qualify() {
-        let small = |p: &Pending| p.size < 1000;
-        let seqs = |v: &[Pending]| v.iter().map(|p| p.seq).collect::<Vec<_>>();
-        let mut f = frees(&[
-            (256, 1),
-            (4096, 2),
-            (512, 3),
-            (4096, 4),
-            (256, 5),
-            (4096, 6),
-        ]);
+        let mut f = small_and_large();
         // Up to 5: the two latest small ones (3 and 5) stay, 6 was not
         // passed; the rest go out in free order.
         let mut out = Vec::new();
