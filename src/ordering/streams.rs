@@ -429,9 +429,8 @@ impl<B: Backend> Streams<B> {
     /// stream: they go to `released`, in the order they were freed, all
     /// but the stream's latest `keep_small` small ones, which stay pending
     /// for its fast path; and events that captured no later position go
-    /// idle. A stream left with
-    /// nothing pending and, as the caller says, nothing `guarded`, leaves
-    /// the table: what it owed comes back.
+    /// idle. A stream left with nothing pending and, as the caller says,
+    /// nothing `guarded`, leaves the table: what it owed comes back.
     pub(crate) fn release(
         &mut self,
         id: u64,
