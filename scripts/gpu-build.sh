@@ -61,8 +61,9 @@ for src in examples/*.rs; do
     name=$(basename "$src" .rs)
     cp "target/release/examples/$name" "$bundle/examples/$name"
 done
-# The tools: vmpool-replay and vmpool-bench (tools/), vmpool-soak (soak/).
-for name in $(basename -s .rs tools/src/bin/*.rs) vmpool-soak; do
+# The tools: vmpool-replay and vmpool-bench (tools/: a file or a folder
+# each), vmpool-soak (soak/).
+for name in $(basename -s .rs tools/src/bin/*) vmpool-soak; do
     cp "target/release/$name" "$bundle/bin/$name"
 done
 # The C layer's call cost (capi/examples/c_calls.rs), for the c-calls job.
