@@ -7,10 +7,12 @@
 //! reserved bytes by the same maps. The replay runs on the host always
 //! and on CUDA with `--features gpu-tests`.
 
+use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::time::Duration;
 
 use vmpool::trace::{Trace, TraceOp};
+use vmpool::vmm::testing::lag::{Lagging, StreamLag};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::DeviceId;
 use vmpool::{Allocation, Context, PoolAttribute, PoolStats};
@@ -24,53 +26,48 @@ const DEV: DeviceId = DeviceId(0);
 /// hundred growths.
 const OPS: usize = 150_000;
 
-/// How far behind the stream is kept: work queued after every this many
-/// allocations, the stream waited for every `WAIT_EVERY` operations
+/// How far behind the stream is kept: 200 us of work after every 20th
+/// allocation, the stream waited for every 400 operations
 /// (`vmpool-replay --stream-lag 200,20,400`).
-const DELAY: Duration = Duration::from_micros(200);
-const DELAY_EVERY: usize = 20;
-const WAIT_EVERY: usize = 400;
+fn kept_behind() -> StreamLag {
+    StreamLag {
+        delay: Duration::from_micros(200),
+        every: NonZeroU64::new(20).unwrap(),
+        wait_every: NonZeroU64::new(400).unwrap(),
+    }
+}
 
 fn recording() -> Trace {
     common::recorded("gpt2_generate")
 }
 
-/// How the stream runs beside the calls.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Lag {
-    /// No work queued: every free is passed almost at once.
-    KeepingUp,
-    /// Delays queued on it, waited for now and then.
-    Behind,
-}
-
 /// Replays the first [`OPS`] operations of `trace` in stream order on one
-/// stream, at the C layer's growth chunks (a 1024th); returns the pool's
-/// statistics and its highest reserved bytes.
-fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, lag: Lag) -> (PoolStats, u64) {
+/// stream, at the C layer's growth chunks (a 1024th), the stream kept
+/// behind by `lag` or, with `None`, keeping up (no work queued: every free
+/// is passed almost at once); returns the pool's statistics and its
+/// highest reserved bytes.
+fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, lag: Option<StreamLag>) -> (PoolStats, u64) {
     let ctx = Context::new(Arc::clone(b)).unwrap();
     let pool = common::pytorch_pool(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
+    let mut lagging = lag.map(|lag| Lagging::new(Arc::clone(b), lag));
     let mut live: Vec<Option<Allocation>> = (0..trace.slots).map(|_| None).collect();
-    let mut allocations = 0;
-    for (i, op) in trace.ops.iter().take(OPS).enumerate() {
+    for op in trace.ops.iter().take(OPS) {
         match *op {
             TraceOp::Alloc { slot, size, .. } => {
                 live[slot] = Some(pool.allocate_async(size, &s).unwrap());
-                allocations += 1;
-                if lag == Lag::Behind && allocations % DELAY_EVERY == 0 {
-                    b.delay(s.raw(), DELAY).unwrap();
+                if let Some(lagging) = &mut lagging {
+                    lagging.allocated(s.raw()).unwrap();
                 }
             }
             TraceOp::Free { slot, .. } => {
                 let a = live[slot].take().expect("freed once");
                 pool.free_async(a, &s).unwrap();
+                if let Some(lagging) = &mut lagging {
+                    lagging.freed(s.raw()).unwrap();
+                }
             }
             _ => unreachable!("the recording holds allocations and frees"),
-        }
-        if lag == Lag::Behind && i % WAIT_EVERY == 0 {
-            // The driver's wait, which the pool is not told of.
-            b.synchronize_stream(s.raw()).unwrap();
         }
     }
     let stats = pool.stats();
@@ -85,12 +82,12 @@ fn replay<B: TestBackend>(b: &Arc<B>, trace: &Trace, lag: Lag) -> (PoolStats, u6
 }
 
 fn a_lagging_stream_changes_no_placement<B: TestBackend>(b: &Arc<B>, trace: &Trace) {
-    let (keeping_up, high) = replay(b, trace, Lag::KeepingUp);
+    let (keeping_up, high) = replay(b, trace, None);
     assert!(
         keeping_up.remaps > 0,
         "no unit moved: the case is not covered"
     );
-    let (behind, high_behind) = replay(b, trace, Lag::Behind);
+    let (behind, high_behind) = replay(b, trace, Some(kept_behind()));
     assert_eq!(
         (high_behind, behind.maps, behind.chunks_created),
         (high, keeping_up.maps, keeping_up.chunks_created),

@@ -4,12 +4,14 @@
 //! [`TestBackend`] queues work on a stream: writes to check data with,
 //! copies back to the host, delays that hold a stream busy so that the
 //! allocator's stream ordering shows, and graph captures. [`faulty`] wraps
-//! any backend to make a chosen driver call fail.
+//! any backend to make a chosen driver call fail; [`lag`] keeps a stream
+//! behind the calls that allocate on it, as a GPU does.
 //!
 //! Each backend implements [`TestBackend`] in a `testing.rs` of its own
 //! folder, beside its [`Backend`] implementation.
 
 pub mod faulty;
+pub mod lag;
 
 use std::time::Duration;
 

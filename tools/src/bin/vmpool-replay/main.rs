@@ -39,12 +39,13 @@ use std::process::ExitCode;
 use anyhow::{bail, Context as _, Result};
 use clap::{Parser, ValueEnum};
 use vmpool::trace::Trace;
+use vmpool::vmm::testing::lag::StreamLag;
 use vmpool::vmm::{self, DeviceId};
 use vmpool::{FreshStart, PoolProps};
 
 use vmpool_tools::{BackendKind, Bytes, DefragmentArg};
 
-use lag::{parse_stream_lag, StreamLag};
+use lag::parse_stream_lag;
 use pools::{replay_cuda_async, replay_cuda_malloc, replay_vmpool, VmpoolRun};
 use replay::{Marks, Schedule};
 

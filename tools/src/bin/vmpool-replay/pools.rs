@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use vmpool::trace::Trace;
+use vmpool::vmm::testing::lag::{Lagging, StreamLag};
 use vmpool::vmm::testing::TestBackend;
 use vmpool::vmm::{self, Backend, DeviceId};
 use vmpool::{Context, PoolAttribute, PoolProps};
 
-use crate::lag::{Lagging, StreamLag};
 use crate::replay::{replay, MappingOp, Replayed, Report, Schedule};
 
 /// How a trace replays on a vmpool pool.
