@@ -222,17 +222,27 @@ fn four_units_moved_under_work<B: TestBackend>(b: &Arc<B>, pool: &Pool<B>, s: &S
 /// Before growth plans, it waits for the streams that may still use the
 /// old places of units it moved (Note [Guards and aliases], "Growth waits
 /// for aliases"): the next growth finds them gone, whatever the stream's
-/// timing, and every byte written is kept.
+/// timing, and every byte written is kept. It waits for those streams
+/// only: another stream's pending free stays pending.
 pub fn growth_waits_for_the_old_places_of_moved_units<B: TestBackend>(b: &Arc<B>) {
     let (ctx, _) = setup(b, ALL_OFF);
     let pool = kept_pool_of_2mib_chunks(&ctx);
     let s = ctx.create_stream(DEV).unwrap();
+    let other = ctx.create_stream(DEV).unwrap();
+    // In the small arena, apart from the units that move.
+    let small = pool.allocate_async(64 << 10, &other).unwrap();
     let Moved { bb, d, big } = four_units_moved_under_work(b, &pool, &s);
+    b.delay(other.raw(), 4 * LATE).unwrap();
+    pool.free_async(small, &other).unwrap();
     // The next growth waits for the stream first: the aliases go.
     let fence = pool.allocate_async(2 * MIB, &s).unwrap();
     let st = pool.stats();
     assert_eq!(st.aliased_bytes, 0, "the growth did not wait ({st:?})");
-    assert_eq!(st.pending_bytes, 0);
+    assert_eq!(
+        st.pending_bytes,
+        64 << 10,
+        "the growth waited for a stream with no alias ({st:?})"
+    );
     pool.audit().unwrap();
     fill(&**b, &s, &fence, 0xFE);
     assert_holds(&**b, &s, &big, 0xB16);
@@ -242,6 +252,7 @@ pub fn growth_waits_for_the_old_places_of_moved_units<B: TestBackend>(b: &Arc<B>
         pool.free_async(x, &s).unwrap();
     }
     ctx.synchronize_stream(&s).unwrap();
+    ctx.synchronize_stream(&other).unwrap();
     trim_gives_every_byte_back(&pool);
 }
 

@@ -469,16 +469,16 @@ impl<B: Backend> Streams<B> {
         unregistered
     }
 
-    /// Blocks until every stream with pending frees has run past them;
-    /// returns how far each has (a stream that fails is left out, and
-    /// logged). `None`, with nothing done, while a graph capture is under
-    /// way: nothing can be waited for then.
-    pub(crate) fn wait_all(&self) -> Option<Vec<StreamPos>> {
+    /// Blocks until the streams with pending frees that `wanted` picks have
+    /// run past them; returns how far each has (a stream that fails is
+    /// left out, and logged). `None`, with nothing done, while a graph
+    /// capture is under way: nothing can be waited for then.
+    pub(crate) fn wait_for(&self, mut wanted: impl FnMut(u64) -> bool) -> Option<Vec<StreamPos>> {
         if self.captures.under_way() {
             return None;
         }
         let mut passed = Vec::new();
-        for (&id, reg) in &self.registered {
+        for (&id, reg) in self.registered.iter().filter(|(&id, _)| wanted(id)) {
             let upto = reg.stream.current_seq();
             match self.backend.synchronize_stream(&reg.stream.raw) {
                 Ok(()) => passed.push(StreamPos {

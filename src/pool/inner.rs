@@ -523,12 +523,16 @@ impl<B: Backend> Inner<B> {
 
     /// Grows the pool for `request`, which nothing free serves. Moved
     /// units' old places that a stream may still use are waited for
-    /// first, and the request tried again on what that frees: growth then
-    /// plans on the same pool however far behind the streams are (Note
-    /// [Guards and aliases], "Growth waits for aliases"). Not while a graph
-    /// capture is under way, when nothing can be waited for.
+    /// first (their streams only), and the request tried again on what
+    /// that frees: growth then plans on the same pool however far behind
+    /// the streams are (Note [Guards and aliases], "Growth waits for
+    /// aliases"). Not while a graph capture is under way, when nothing can
+    /// be waited for.
     fn grow_for(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
-        if self.space.has_waiting_aliases() && self.wait_for_pending_frees() {
+        let mut aliased: Vec<u64> = self.space.alias_streams().collect();
+        aliased.sort_unstable();
+        aliased.dedup();
+        if !aliased.is_empty() && self.wait_for_streams(|s| aliased.binary_search(&s).is_ok()) {
             tracing::debug!(
                 pool = self.pool,
                 "growth waited for the streams of moved units' old places"

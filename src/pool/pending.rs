@@ -75,7 +75,7 @@ impl<B: Backend> Inner<B> {
         }
         self.guards.release(stream, upto);
         self.space.pass_aliases(stream, upto);
-        let guarded = self.guards.any_of(stream) || self.space.has_aliases_of(stream);
+        let guarded = self.guards.any_of(stream) || self.space.alias_streams().any(|s| s == stream);
         let mut released = std::mem::take(&mut self.released);
         if let Some(gone) = self
             .streams
@@ -97,7 +97,13 @@ impl<B: Backend> Inner<B> {
     /// While a graph capture is under way nothing can be waited for: then
     /// it does nothing and returns false.
     pub(super) fn wait_for_pending_frees(&mut self) -> bool {
-        let Some(passed) = self.streams.wait_all() else {
+        self.wait_for_streams(|_| true)
+    }
+
+    /// [`Self::wait_for_pending_frees`] for the streams `wanted` picks
+    /// among those with pending frees.
+    pub(super) fn wait_for_streams(&mut self, wanted: impl FnMut(u64) -> bool) -> bool {
+        let Some(passed) = self.streams.wait_for(wanted) else {
             return false;
         };
         for pos in passed {

@@ -406,18 +406,12 @@ impl<B: Backend> Space<B> {
         }
     }
 
-    /// Whether an alias waits for its stream to pass it.
-    pub(crate) fn has_waiting_aliases(&self) -> bool {
-        self.aliases
-            .values()
-            .any(|a| matches!(a.until, AliasUntil::StreamPasses(_)))
-    }
-
-    /// Whether an alias waits for `stream` to pass it.
-    pub(crate) fn has_aliases_of(&self, stream: u64) -> bool {
-        self.aliases
-            .values()
-            .any(|a| matches!(a.until, AliasUntil::StreamPasses(pos) if pos.stream == stream))
+    /// The streams that aliases wait for to pass them, once per alias.
+    pub(crate) fn alias_streams(&self) -> impl Iterator<Item = u64> + '_ {
+        self.aliases.values().filter_map(|a| match a.until {
+            AliasUntil::StreamPasses(pos) => Some(pos.stream),
+            AliasUntil::NextDriverWork => None,
+        })
     }
 
     /// The mappings in `range` that are not units: the old places of moved
