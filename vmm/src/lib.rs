@@ -15,7 +15,8 @@
 //!      ├── host/       the same model on Linux: memfd chunks mmap'd into a
 //!      │               PROT_NONE reservation, streams as worker threads
 //!      └── testing/    (feature `testing`) work for tests to queue on a
-//!                      stream, and a backend wrapper that injects faults
+//!                      stream, a backend wrapper that injects faults, and
+//!                      a stream kept behind the calls (lag.rs)
 //! ```
 //!
 //! Every `unsafe` block of the project is in this crate, and each carries a
