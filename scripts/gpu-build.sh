@@ -15,6 +15,8 @@
 #   bench, soak:           gpu-bundle/bin
 #   replay, c-calls:       gpu-bundle/bin, gpu-bundle/traces
 #   torch and the other PyTorch checks: gpu-bundle/torch
+#   calls:                 gpu-bundle/torch (the repository's traces/ serve
+#                          when gpu-bundle/traces is not carried)
 #   e.g. carry ["gpu-bundle/gpu-run.sh", "gpu-bundle/BUILD", "gpu-bundle/tests.tar.xz", "gpu-bundle/torch"]
 #
 # BASE_REV=REV scripts/gpu-build.sh also bundles the C library as of REV,

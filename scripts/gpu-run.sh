@@ -24,7 +24,8 @@
 # costs two clock reads a call, counted against vmpool); CALL_TIMING=1
 # turns it on, to see vmpool's share of a step.
 #
-# calls: the calls probe over the bundled traces named in CALLS_TRACES
+# calls: the calls probe over the bundled traces (else the repository's
+# traces/, when the bundle's are not carried) named in CALLS_TRACES
 # (comma-separated names without .trace.gz; default all), the ALLOCATORS
 # as for long, REPEATS runs (default 3) of CALLS_STEPS steps (default 12), to
 # $OUT/calls.json.
@@ -140,7 +141,7 @@ for job in $jobs; do
     bench | soak) parts=bin ;;
     replay | c-calls) parts="bin traces" ;;
     torch | long | record-stream | graphs | limits | stats | marks | wheel | torch-sleep | mempool | ddp | nccl) parts=torch ;;
-    calls) parts="torch traces" ;;
+    calls) parts=torch ;;
     *) parts= ;;
     esac
     missing=
@@ -213,8 +214,13 @@ for job in $jobs; do
         fi
         ;;
     calls)
-        names=${CALLS_TRACES:-$(cd "$here/traces" && ls -- *.trace.gz | sed 's/\.trace\.gz$//' | paste -sd, -)}
-        traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$here/traces/&.trace.gz|" | paste -sd, -)
+        # The bundle's traces if carried, else the repository's traces/
+        # (the same recordings, without VMPOOL_EXTRA_TRACES's): the bundle's
+        # traces and its torch part together pass the carry's 64 MiB.
+        trace_dir=$here/traces
+        [ -d "$trace_dir" ] || trace_dir=$(cd "$here/../traces" && pwd)
+        names=${CALLS_TRACES:-$(cd "$trace_dir" && ls -- *.trace.gz | sed 's/\.trace\.gz$//' | paste -sd, -)}
+        traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$trace_dir/&.trace.gz|" | paste -sd, -)
         run "pytorch calls probe" python3 "$here/torch/pytorch_compare.py" --workloads calls-probe \
             --calls-trace "$traces" --allocators "${ALLOCATORS:-native,vmpool,vmpool-steps}" --repeats "${REPEATS:-3}" \
             --steps "${CALLS_STEPS:-12}" ${call_timing:+"$call_timing"} --json "$outdir/calls.json"
