@@ -218,7 +218,12 @@ for job in $jobs; do
         # (the same recordings, without VMPOOL_EXTRA_TRACES's): the bundle's
         # traces and its torch part together pass the carry's 64 MiB.
         trace_dir=$here/traces
-        [ -d "$trace_dir" ] || trace_dir=$(cd "$here/../traces" && pwd)
+        [ -d "$trace_dir" ] || trace_dir=$here/../traces
+        if [ ! -d "$trace_dir" ]; then
+            echo "job calls: no traces (neither gpu-bundle/traces nor traces/)" | tee -a "$log"
+            status=1
+            continue
+        fi
         names=${CALLS_TRACES:-$(cd "$trace_dir" && ls -- *.trace.gz | sed 's/\.trace\.gz$//' | paste -sd, -)}
         traces=$(tr ',' '\n' <<<"$names" | sed "s|.*|$trace_dir/&.trace.gz|" | paste -sd, -)
         run "pytorch calls probe" python3 "$here/torch/pytorch_compare.py" --workloads calls-probe \
