@@ -16,6 +16,14 @@ pub(crate) struct Pending {
     pub(crate) seq: u64,
 }
 
+impl Pending {
+    /// Whether it is a small-arena block: those a stream keeps pending for
+    /// its same-size fast path, at a miss and when events complete alike.
+    pub(crate) fn is_small(&self) -> bool {
+        self.arena == ArenaId::Small
+    }
+}
+
 /// How far back before the latest pending free the hot path looks for one
 /// of the size asked for. Past that the allocation takes the pool's lock,
 /// which merges the stream's pending frees into the heap (all but its

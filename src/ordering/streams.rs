@@ -14,7 +14,6 @@ use vmm::{Backend, EventStatus};
 use super::frees::Pending;
 use super::guards::{Guard, StreamPos};
 use super::stream::StreamShared;
-use crate::arena::ArenaId;
 use crate::capture::Captures;
 use crate::Result;
 
@@ -239,7 +238,7 @@ impl<B: Backend> Streams<B> {
         let mut merged = std::mem::take(&mut self.merging);
         let mut kept = false;
         if let Some(f) = stream.state().pending.get_mut(&self.pool) {
-            kept = f.drain_all_but(keep, |p| p.arena == ArenaId::Small, &mut merged);
+            kept = f.drain_all_but(keep, Pending::is_small, &mut merged);
         }
         for p in &merged {
             merge(p);
@@ -444,7 +443,7 @@ impl<B: Backend> Streams<B> {
             let mut st = reg.stream.state();
             let f = st.pending.get_mut(&self.pool).expect("registered");
             let start = released.len();
-            f.drain_upto(upto, keep_small, |p| p.arena == ArenaId::Small, released);
+            f.drain_upto(upto, keep_small, Pending::is_small, released);
             self.counters.frees_completed += (released.len() - start) as u64;
             if f.is_empty() && !guarded {
                 let f = st.pending.remove(&self.pool).expect("present");

@@ -529,10 +529,8 @@ impl<B: Backend> Inner<B> {
     /// aliases"). Not while a graph capture is under way, when nothing can
     /// be waited for.
     fn grow_for(&mut self, request: &mut Request<'_, B>) -> Result<Pending> {
-        let mut aliased: Vec<u64> = self.space.alias_streams().collect();
-        aliased.sort_unstable();
-        aliased.dedup();
-        if !aliased.is_empty() && self.wait_for_streams(|s| aliased.binary_search(&s).is_ok()) {
+        let aliased: Vec<u64> = self.space.alias_streams().collect();
+        if !aliased.is_empty() && self.wait_for_streams(|s| aliased.contains(&s)) {
             tracing::debug!(
                 pool = self.pool,
                 "growth waited for the streams of moved units' old places"
